@@ -1,0 +1,108 @@
+"""Drafting strategies: a small interface with two verbs, propose and verified.
+
+Like transformers' `CandidateGenerator`: a drafter proposes γ tokens with the distribution q each
+was drawn from, and is then told how many the target kept, so it can roll its state back.
+The generator never looks inside a drafter, so other drafters (n-gram lookup, ...) plug in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .sampling import SamplingParams, at_least_float32, logits_to_probs, sample
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [γ] drafted ids
+    q: torch.Tensor  # [γ, V] the distribution each token was drawn from (one-hot when greedy)
+    logits: torch.Tensor | None = None  # [γ, V] raw draft logits, if the drafter has a model
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        """Begin a sequence. prompt_ids: [1, L]."""
+
+    def propose(
+        self, ids: torch.Tensor, gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Draft γ tokens after ids [1, L] (the whole sequence so far)."""
+
+    def verified(self, n_accepted: int) -> None:
+        """The target kept the first n_accepted drafted tokens (then added one of its own)."""
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens the drafter holds state for (0 if it keeps none)."""
+
+
+def model_logits(model: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache, vocab_size: int,
+                 last_only: bool = False) -> torch.Tensor:
+    """Forward new ids [1, n] on top of the cache; logits [n, V] (or [1, V]), at least float32.
+
+    Logits are cut to the pair's shared vocabulary: padded embedding rows never get sampled.
+    """
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+    return at_least_float32(out.logits[0, :, :vocab_size])
+
+
+class DraftModelDrafter:
+    """A small causal LM drafts autoregressively, keeping its KV cache across rounds.
+
+    The cache holds the sequence minus its uncached tail. A round feeds the tail (the last token,
+    or two after a fully accepted round) and then each drafted token but the last; `verified`
+    crops the cache back to the kept prefix, so no prefix is ever recomputed.
+    """
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int, name: str = "draft model"):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.name = name
+        self.cache: DynamicCache | None = None
+        self._cached = 0  # tokens in the cache
+        self._prefix = 0  # sequence length when the last proposal was made
+        self._gamma = 0
+
+    @property
+    def cache_len(self) -> int:
+        return self._cached
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self._cached = 0
+        if prompt_ids.shape[1] > 1:
+            model_logits(self.model, prompt_ids[:, :-1], self.cache, self.vocab_size, last_only=True)
+            self._cached = prompt_ids.shape[1] - 1
+
+    @torch.inference_mode()
+    def propose(
+        self, ids: torch.Tensor, gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        assert self.cache is not None, "start() first"
+        self._prefix, self._gamma = ids.shape[1], gamma
+        feed = ids[:, self._cached :]  # [1, t] the uncached tail, t >= 1
+        tokens, qs, logits_rows = [], [], []
+        for _ in range(gamma):
+            logits = model_logits(self.model, feed, self.cache, self.vocab_size, last_only=True)[-1]  # [V]
+            self._cached += feed.shape[1]
+            q = logits_to_probs(logits, params)  # [V]
+            token = q.argmax() if params.greedy else sample(q, generator)
+            tokens.append(token)
+            qs.append(q)
+            logits_rows.append(logits)
+            feed = token.view(1, 1)
+        # The last drafted token was never fed: the cache holds ids + d_1..d_{γ-1}.
+        return Proposal(torch.stack(tokens), torch.stack(qs), torch.stack(logits_rows))
+
+    def verified(self, n_accepted: int) -> None:
+        keep = self._prefix + min(n_accepted, self._gamma - 1)
+        if keep < self._cached:
+            self.cache.crop(keep - self._cached)  # transformers 5: a negative count to remove
+            self._cached = keep

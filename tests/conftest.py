@@ -1,0 +1,152 @@
+"""Tiny models built from configs, saved with save_pretrained and loaded back through the real
+loading path. No network.
+
+The "pattern" pairs are trained for a few seconds on a counting language (w_k is followed by
+w_{k+1}, the last word by <eos>), so that greedy drafts are often accepted. The draft learns a
+slightly wrong language (after every fifth word it skips one), so rounds also see rejections
+and corrections at known places.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    OPTConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
+
+from specviz.models import load_pair
+
+UNK, PAD, EOS = 0, 1, 2
+N_WORDS = 40
+WORD0 = 3  # id of w0
+VOCAB = WORD0 + N_WORDS
+ARCHS = ["gpt2", "opt", "gpt_neox", "llama", "qwen3"]
+
+
+def word_id(k: int) -> int:
+    return WORD0 + k
+
+
+def make_tokenizer(path: Path, n_words: int = N_WORDS) -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": UNK, "<pad>": PAD, "<eos>": EOS} | {f"w{k}": WORD0 + k for k in range(n_words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tok.save_pretrained(path)
+    return tok
+
+
+def make_config(arch: str, vocab: int, size: str, init: float = 0.02):
+    """size: 'target' (deeper, wider) or 'draft'."""
+    h, layers, heads = (48, 3, 4) if size == "target" else (32, 1, 2)
+    common = dict(vocab_size=vocab, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD, initializer_range=init)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=h, n_layer=layers, n_head=heads, n_positions=256, **common)
+    if arch == "opt":
+        return OPTConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=2 * h,
+                         max_position_embeddings=256, word_embed_proj_dim=h, **common)
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                             intermediate_size=2 * h, max_position_embeddings=256, **common)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                           intermediate_size=2 * h, max_position_embeddings=256, **common)
+    if arch == "qwen3":
+        return Qwen3Config(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=2 * h, max_position_embeddings=256, **common)
+    raise ValueError(arch)
+
+
+def pattern_batch(gen: torch.Generator, skip_every: int | None, batch: int = 32, length: int = 20) -> torch.Tensor:
+    """Counting sequences from random starts, ending in <eos> then padding with <eos>."""
+    rows = []
+    for start in torch.randint(0, N_WORDS, (batch,), generator=gen).tolist():
+        row, k = [], start
+        while len(row) < length:
+            if k >= N_WORDS:
+                row.append(EOS)
+                continue
+            row.append(word_id(k))
+            k += 2 if skip_every and k % skip_every == skip_every - 1 else 1
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def train_pattern(model, skip_every: int | None, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        batch = pattern_batch(gen, skip_every)
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def build_model(path: Path, arch: str, size: str, vocab: int, seed: int, init: float = 0.02,
+                train_steps: int = 0, skip_every: int | None = None) -> Path:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(arch, vocab, size, init))
+    if train_steps:
+        train_pattern(model, skip_every, train_steps, seed)
+    model.save_pretrained(path)
+    make_tokenizer(path, vocab - WORD0 if vocab <= VOCAB else N_WORDS)
+    return path
+
+
+@pytest.fixture(scope="session")
+def pattern_dirs(tmp_path_factory):
+    """arch -> (target_dir, draft_dir), trained on the counting language (cached per session)."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(arch: str) -> tuple[Path, Path]:
+        if arch not in cache:
+            root = tmp_path_factory.mktemp(f"pattern-{arch}")
+            # OPT's target gets padded embeddings (8 extra rows): logits must be cut to VOCAB.
+            target_vocab = VOCAB + 8 if arch == "opt" else VOCAB
+            target = build_model(root / "target", arch, "target", target_vocab, seed=1, train_steps=150)
+            draft = build_model(root / "draft", arch, "draft", VOCAB, seed=2, train_steps=150, skip_every=5)
+            cache[arch] = (target, draft)
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def pattern_pair(pattern_dirs):
+    pairs = {}
+
+    def get(arch: str, dtype=torch.float32):
+        key = (arch, dtype)
+        if key not in pairs:
+            target, draft = pattern_dirs(arch)
+            pairs[key] = load_pair(str(target), str(draft), device="cpu", dtype=dtype)
+        return pairs[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def random_pair(tmp_path_factory):
+    """An untrained Llama pair over 8 words: broad, different p and q, for sampling tests."""
+    root = tmp_path_factory.mktemp("random-llama")
+    vocab = WORD0 + 8
+    target = build_model(root / "target", "llama", "target", vocab, seed=3, init=0.3)
+    draft = build_model(root / "draft", "llama", "draft", vocab, seed=4, init=0.3)
+    return load_pair(str(target), str(draft), device="cpu", dtype=torch.float64)
+
+
+def words(*ks: int) -> list[int]:
+    return [word_id(k) for k in ks]

@@ -1,0 +1,179 @@
+"""The generator on tiny models of five architectures: lossless, stops right, caches right."""
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import ARCHS, EOS, words
+from transformers import DynamicCache
+
+from specviz.drafters import DraftModelDrafter
+from specviz.events import ACCEPTED, BONUS, CORRECTION, REJECTED, load_runs, runs_from_json, runs_to_json, save_runs
+from specviz.generator import Settings, generate, speculative_events
+from specviz.sampling import SamplingParams, logits_to_probs
+
+
+def run_both(pair, prompt_ids, settings):
+    spec = generate(pair, "", settings, prompt_ids=prompt_ids)
+    base = generate(pair, "", settings, mode="baseline", prompt_ids=prompt_ids)
+    return spec, base
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_baseline(pattern_pair, arch, gamma):
+    pair = pattern_pair(arch)
+    # 29 tokens: no multiple of γ + 1 for γ in {3, 8}, so the budget ends inside a round
+    spec, base = run_both(pair, words(2, 3, 4), Settings(gamma=gamma, max_new_tokens=29))
+    assert spec.token_ids == base.token_ids
+    assert spec.n_tokens == 29 and len(spec.token_ids) == 29 and spec.finish_reason == "length"
+    # the draft's language differs every fifth word, so both paths of the rule ran
+    assert spec.n_accepted > 0 and spec.n_rejected > 0
+    kinds = Counter(e.extra.kind for e in spec.events if e.extra)
+    assert kinds[CORRECTION] > 0
+    if gamma > 1:
+        assert spec.events[-1].gamma < gamma  # the last round drafted only what the budget allowed
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eos_inside_a_draft_stops_there(pattern_pair, arch):
+    pair = pattern_pair(arch)
+    prompt = words(30, 31, 32)  # the counting language ends: w39, <eos>
+    spec, base = run_both(pair, prompt, Settings(gamma=8, max_new_tokens=40))
+    assert spec.token_ids == base.token_ids == words(33, 34, 35, 36, 37, 38, 39) + [EOS]
+    last = spec.events[-1]
+    assert spec.finish_reason == "eos" and last.extra is None  # the EOS was an accepted draft token
+    eos_at = [t.id for t in last.drafted].index(EOS)
+    assert eos_at < last.gamma - 1 and last.drafted[eos_at].status == ACCEPTED
+    assert all(t.status != ACCEPTED for t in last.drafted[eos_at + 1 :])  # nothing after EOS is kept
+
+
+def test_bonus_token_when_all_accepted(pattern_pair):
+    spec = generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=12), prompt_ids=words(5, 6))
+    bonus_rounds = [e for e in spec.events if e.extra and e.extra.kind == BONUS]
+    assert bonus_rounds and all(e.n_accepted == e.gamma for e in bonus_rounds)
+    assert all(len(e.new_tokens) == e.gamma + 1 for e in bonus_rounds)
+
+
+def test_same_seed_same_run_other_seed_other_run(random_pair):
+    settings = Settings(gamma=3, temperature=1.0, max_new_tokens=24, seed=5)
+    a = generate(random_pair, "", settings, prompt_ids=words(1, 2))
+    b = generate(random_pair, "", settings, prompt_ids=words(1, 2))
+    assert a.token_ids == b.token_ids
+    assert [[t.u for t in e.drafted] for e in a.events] == [[t.u for t in e.drafted] for e in b.events]
+    others = {tuple(generate(random_pair, "", Settings(gamma=3, temperature=1.0, max_new_tokens=24, seed=s),
+                             prompt_ids=words(1, 2)).token_ids) for s in range(6, 9)}
+    assert others - {tuple(a.token_ids)}
+
+
+def exact_baseline_distribution(pair, prompt_ids, params):
+    """P(first two tokens) of plain sampling from the target, by enumeration."""
+    with torch.inference_mode():
+        p1 = logits_to_probs(pair.target(torch.tensor([prompt_ids])).logits[0, -1, : pair.vocab_size], params)
+        dist = {}
+        for x1, px1 in enumerate(p1.tolist()):
+            if px1 == 0:
+                continue
+            if x1 in pair.eos_token_ids:
+                dist[(x1,)] = px1
+                continue
+            logits = pair.target(torch.tensor([prompt_ids + [x1]])).logits[0, -1, : pair.vocab_size]
+            for x2, px2 in enumerate(logits_to_probs(logits, params).tolist()):
+                dist[(x1, x2)] = dist.get((x1, x2), 0.0) + px1 * px2
+    return dist
+
+
+@pytest.mark.slow
+def test_sampled_generation_matches_baseline_distribution(random_pair):
+    """20 000 speculative runs (γ = 2): the first two tokens follow the target's exact law.
+
+    Test: total variation between the empirical and the exact distribution below 0.03. With
+    about 80 outcomes, sampling noise alone gives an expected TV near 0.015 at this size.
+    """
+    params = SamplingParams(0.9, top_k=7, top_p=0.95)  # every warp at once
+    prompt = words(1, 2)
+    exact = exact_baseline_distribution(random_pair, prompt, params)
+    settings = Settings(gamma=2, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                        max_new_tokens=2, record_top=0)
+    n, counts = 20_000, Counter()
+    for seed in range(n):
+        events = speculative_events(random_pair, prompt, Settings(**{**settings.__dict__, "seed": seed}))
+        ids = [t for e in events for t in e.new_tokens]
+        counts[tuple(ids[:2])] += 1
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)
+    assert tv < 0.03, f"total variation {tv:.4f}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kv_rollback_matches_fresh_forward(pattern_pair, arch):
+    pair = pattern_pair(arch)
+    prompt = words(0, 1, 2)
+    drafter = DraftModelDrafter(pair.draft, pair.vocab_size)
+    target_cache = DynamicCache(config=pair.target.config)
+    events = speculative_events(pair, prompt, Settings(gamma=3, max_new_tokens=30), drafter=drafter,
+                                target_cache=target_cache)
+    ids, rejections = list(prompt), 0
+    for event in events:
+        ids += event.new_tokens
+        rejections += event.n_rejected
+        if rejections >= 3:
+            break  # the generator is paused here: look at its caches
+    assert rejections >= 3
+    assert target_cache.get_seq_length() == len(ids) - 1 == event.target_cache_len
+    assert drafter.cache_len == event.draft_cache_len <= len(ids) - 1
+    with torch.inference_mode():
+        for model, cache, cached in [(pair.target, target_cache, len(ids) - 1),
+                                     (pair.draft, drafter.cache, drafter.cache_len)]:
+            cached_logits = model(torch.tensor([ids[cached:]]), past_key_values=cache).logits[0, -1]
+            fresh_logits = model(torch.tensor([ids])).logits[0, -1]
+            torch.testing.assert_close(cached_logits, fresh_logits, atol=1e-4, rtol=1e-4)  # float32
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_recorded_p_and_q_match_fresh_forwards(random_pair, temperature):
+    pair = random_pair
+    settings = Settings(gamma=3, temperature=temperature, top_k=5 if temperature else 0, max_new_tokens=16, seed=2)
+    run = generate(pair, "", settings, prompt_ids=words(3, 4))
+    params = settings.sampling
+
+    def dist(model, prefix):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prefix])).logits[0, -1, : pair.vocab_size]
+        return logits.softmax(-1) if params.greedy else logits_to_probs(logits, params)
+
+    prefix = list(run.meta.prompt_ids)
+    checked = 0
+    for e in run.events:
+        for i, t in enumerate(e.drafted):
+            ctx = prefix + [d.id for d in e.drafted[:i]]
+            assert t.p == pytest.approx(float(dist(pair.target, ctx)[t.id]), abs=1e-9)
+            assert t.q == pytest.approx(float(dist(pair.draft, ctx)[t.id]), abs=1e-9)
+            checked += 1
+        if e.extra is not None:
+            ctx = prefix + [d.id for d in e.drafted[: e.n_accepted]]
+            assert e.extra.p == pytest.approx(float(dist(pair.target, ctx)[e.extra.id]), abs=1e-9)
+        prefix += e.new_tokens
+    assert checked >= 6
+    if temperature:
+        assert any(t.status == REJECTED for e in run.events for t in e.drafted)
+
+
+def test_run_round_trips_through_json(random_pair, tmp_path):
+    settings = Settings(gamma=3, temperature=1.0, top_p=0.9, max_new_tokens=12, seed=1)
+    spec = generate(random_pair, "a prompt", settings, prompt_ids=words(1, 2))
+    base = generate(random_pair, "a prompt", settings, mode="baseline", prompt_ids=words(1, 2))
+    assert runs_from_json(runs_to_json([spec, base])) == [spec, base]
+    save_runs(tmp_path / "trace.json", [spec, base])
+    loaded = load_runs(tmp_path / "trace.json")
+    assert loaded == [spec, base]
+    assert loaded[0].acceptance_rate == spec.acceptance_rate and loaded[0].events[0].drafted[0].top
+    with pytest.raises(ValueError, match="not a specviz trace"):
+        runs_from_json('{"runs": []}')
+
+
+def test_baseline_events_have_the_speculative_shape(random_pair):
+    base = generate(random_pair, "", Settings(max_new_tokens=5), mode="baseline", prompt_ids=words(1, 2))
+    assert [e.tokens_so_far for e in base.events] == [1, 2, 3, 4, 5]
+    assert all(e.gamma == 0 and e.drafted == [] and e.extra.kind == "target" for e in base.events)
+    assert [e.target_cache_len for e in base.events] == [2, 3, 4, 5, 6]

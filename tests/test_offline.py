@@ -1,0 +1,52 @@
+"""End to end on the offline default pair (SmolLM2-135M-Instruct; converted once into the cache)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specviz.events import load_runs
+from specviz.generator import Settings, generate
+from specviz.models import load_pair
+
+pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
+
+PROMPTS = ["The future of AI", "Happy Birthday lyrics", "Write a Python function that reverses a string."]
+
+
+@pytest.fixture(scope="module")
+def offline_fp32():
+    # float32: where rounding cannot flip a near-tie, greedy texts must match exactly
+    return load_pair(preset="offline", device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_offline_greedy_equals_baseline(offline_fp32, prompt):
+    settings = Settings(gamma=4, max_new_tokens=24)
+    spec = generate(offline_fp32, prompt, settings)
+    base = generate(offline_fp32, prompt, settings, mode="baseline")
+    assert spec.token_ids == base.token_ids and spec.text == base.text
+    assert spec.n_tokens == 24 or spec.finish_reason == "eos"
+
+
+def test_offline_pair_is_bf16_by_default_on_this_cpu():
+    from specviz.models import _cpu_has_fast_bf16
+
+    pair = load_pair(preset="offline", device="cpu")
+    assert pair.dtype == (torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32)
+    assert pair.vocab_size == 49152 and "stand-in" in pair.draft_note
+
+
+def test_cli_compare_prints_tokens_rate_and_speedup(tmp_path):
+    trace = tmp_path / "run.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "specviz", "generate", "--preset", "offline", "--prompt", "The future of AI",
+         "--max-new-tokens", "16", "--temperature", "0", "--compare", "--trace", str(trace), "--color", "always"],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    assert "\x1b[32m" in out or "\x1b[34m" in out  # coloured tokens
+    assert "acceptance rate" in out and "speedup:" in out and "stand-in" in out
+    assert "greedy text:" in out
+    spec, base = load_runs(trace)
+    assert spec.meta.mode == "speculative" and base.meta.mode == "baseline" and base.n_tokens == 16

@@ -1,0 +1,105 @@
+"""The acceptance rule is exact: the token it emits is distributed as p, in closed form and by
+sampling, with the same warping applied to p and q."""
+
+import pytest
+import torch
+
+from specviz.sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution, sample
+
+WARPS = [
+    SamplingParams(1.0),
+    SamplingParams(0.7, top_k=5),
+    SamplingParams(1.3, top_p=0.8),
+    SamplingParams(0.9, top_k=10, top_p=0.9),
+]
+
+
+def random_pq(seed: int, params: SamplingParams, vocab: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    p_logits = torch.randn(2, vocab, generator=gen, dtype=torch.float64) * 2
+    q_logits = torch.randn(1, vocab, generator=gen, dtype=torch.float64) * 2
+    return logits_to_probs(p_logits, params).double(), logits_to_probs(q_logits, params).double()
+
+
+def emitted_distribution_closed_form(p, q):
+    """P(emit x) = q(x) a(x) + (sum_y q(y) (1 - a(y))) r(x), with a and r from the implementation."""
+    vocab = q.shape[-1]
+    accept = torch.zeros(vocab, dtype=torch.float64)
+    for y in range(vocab):
+        if q[0, y] > 0:
+            accept[y] = accept_or_resample(p, q, torch.tensor([y]), None, greedy=False).accept_probs[0]
+    rejected_mass = (q[0] * (1 - accept)).sum()
+    return q[0] * accept + rejected_mass * residual_distribution(p[0], q[0])
+
+
+@pytest.mark.parametrize("params", WARPS, ids=str)
+@pytest.mark.parametrize("seed", range(5))
+def test_closed_form_equals_target(params, seed):
+    p, q = random_pq(seed, params)
+    emitted = emitted_distribution_closed_form(p, q)
+    torch.testing.assert_close(emitted, p[0], atol=1e-12, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", WARPS[:1] + WARPS[3:], ids=str)
+def test_sampled_rule_matches_target(params):
+    """100 000 draws of (d ~ q, then the rule): total variation to p below 0.01."""
+    p, q = random_pq(7, params)
+    gen = torch.Generator().manual_seed(0)
+    n = 100_000
+    drafts = sample(q[0].expand(n, -1), gen)  # [n]
+    counts = torch.zeros(p.shape[-1], dtype=torch.float64)
+    for d in drafts.tolist():
+        verdict = accept_or_resample(p, q, torch.tensor([d]), gen)
+        counts[d if verdict.n_accepted == 1 else verdict.next_token] += 1
+    tv = 0.5 * (counts / n - p[0]).abs().sum().item()
+    assert tv < 0.01, f"total variation {tv:.4f}"
+
+
+def test_one_hot_draft_is_exact():
+    """A deterministic drafter (q one-hot) is the special case the n-gram drafter relies on:
+    accept with probability p(x), else draw from p with x removed."""
+    p, _ = random_pq(11, SamplingParams(1.0))
+    for x in range(p.shape[-1]):
+        q = torch.zeros(1, p.shape[-1], dtype=torch.float64)
+        q[0, x] = 1.0
+        torch.testing.assert_close(emitted_distribution_closed_form(p, q), p[0], atol=1e-12, rtol=0)
+
+
+def test_greedy_is_argmax_agreement():
+    logits = torch.tensor([[0.1, 2.0, 0.3], [1.0, 0.0, 0.5]])
+    p = logits_to_probs(logits, SamplingParams(0.0))
+    assert p.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    q = logits_to_probs(torch.tensor([[0.0, 3.0, 0.0]]), SamplingParams(0.0))
+    kept = accept_or_resample(p, q, torch.tensor([1]), None, greedy=True)
+    assert (kept.n_accepted, kept.next_token, kept.u) == (1, 0, [None])
+    q_wrong = logits_to_probs(torch.tensor([[0.0, 0.0, 3.0]]), SamplingParams(0.0))
+    rejected = accept_or_resample(p, q_wrong, torch.tensor([2]), None, greedy=True)
+    assert (rejected.n_accepted, rejected.next_token) == (0, 1)
+
+
+def test_warping_keeps_what_it_should():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    assert (logits_to_probs(logits, SamplingParams(1.0, top_k=2)) > 0).tolist() == [True, True, False, False, False]
+    probs = logits.softmax(-1)  # 0.636, 0.234, 0.086, ...
+    nucleus = logits_to_probs(logits, SamplingParams(1.0, top_p=0.8)) > 0
+    assert nucleus.tolist() == [True, True, False, False, False]
+    assert probs[0] < 0.8 < probs[:2].sum()
+    assert (logits_to_probs(logits, SamplingParams(1.0, top_p=0.5)) > 0).sum() == 1  # the top token stays
+    torch.testing.assert_close(logits_to_probs(logits, SamplingParams(2.0)), (logits / 2).softmax(-1))
+
+
+def test_rule_records_u_only_for_tested_tokens():
+    p, q = random_pq(3, SamplingParams(1.0))
+    p = torch.cat([p[:1]] * 3 + [p[1:]])  # [4, V]
+    q = torch.cat([q] * 3)  # [3, V]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        drafts = sample(q, gen)
+        v = accept_or_resample(p, q, drafts, gen)
+        tested = min(v.n_accepted + 1, 3)
+        assert all(u is not None for u in v.u[:tested]) and all(u is None for u in v.u[tested:])
+        for i in range(v.n_accepted):
+            assert v.u[i] < v.accept_probs[i]
+        if v.n_accepted < 3:
+            assert v.u[v.n_accepted] >= v.accept_probs[v.n_accepted]
