@@ -107,13 +107,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench_render(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench-render", help="measure what per-round page rendering costs against the bare generator")
+    b.add_argument("--preset", choices=list(PRESETS), default="offline")
+    b.add_argument("--prompt", default="The future of AI")
+    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+
+
+def cmd_bench_render(args: argparse.Namespace) -> int:
+    from .bench import render_cost
+
+    settings = Settings(gamma=args.gamma, max_new_tokens=args.max_new_tokens)
+    settings.validate()
+    pair = load_pair(preset=args.preset, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    prompt_ids = encode_prompt(pair.tokenizer, args.prompt)
+    r = render_cost(pair, args.prompt, prompt_ids, settings, args.repeats)
+    print(f"{r['tokens']} tokens in {r['rounds']} rounds ({pair.target_name}, {pair.dtype}, {pair.device}, "
+          f"median of {args.repeats}): bare generator {r['bare_s']:.2f} s, with per-round page rendering "
+          f"{r['rendered_s']:.2f} s; ratio {r['ratio']:.3f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specviz", description="Watch speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_bench_render(sub)
     args = parser.parse_args(argv)
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "bench-render": cmd_bench_render}[args.command](args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
-"""Turning rounds into coloured text: ANSI for the terminal, plain markup elsewhere."""
+"""Turning rounds into coloured text: ANSI for the terminal, plain markup, and HTML for the app."""
 
 from __future__ import annotations
+
+import html
 
 from .events import BONUS, CORRECTION, REJECTED, RoundEvent, Run
 
@@ -53,3 +55,135 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# --- HTML (the web app) ----------------------------------------------------------------------
+# Token text is untrusted model output: every piece goes through html.escape.
+
+CSS = """
+.sv-stream { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.9; font-size: 15px; }
+.sv-tok { border-radius: 3px; padding: 1px 0; cursor: help; }
+.sv-accepted { background: #d9f2e1; color: #145a32; }
+.sv-rejected { background: #fadbd8; color: #922b21; text-decoration: line-through; }
+.sv-correction { background: #d6e6f5; color: #1a4f80; }
+.sv-bonus { background: #eadcf3; color: #5b2c6f; }
+.sv-target { background: #eeeeee; color: #222; }
+.sv-diff { outline: 2px solid #f39c12; }
+.sv-round { color: #aaa; font-size: 11px; padding: 0 2px; user-select: none; }
+.sv-legend span { margin-right: 12px; padding: 2px 6px; }
+.sv-stats td { padding: 2px 10px 2px 0; }
+.sv-error { color: #922b21; background: #fdedec; padding: 8px; border-radius: 4px; }
+.sv-note { color: #7d6608; background: #fef9e7; padding: 6px; border-radius: 4px; }
+.sv-race-row { font-family: ui-monospace, monospace; white-space: pre-wrap; margin: 6px 0; }
+.sv-race-row .sv-tok { opacity: 0; animation: sv-appear 0.01s forwards; }
+@keyframes sv-appear { to { opacity: 1; } }
+"""
+
+_KIND_CLASS = {"accepted": "sv-accepted", REJECTED: "sv-rejected", CORRECTION: "sv-correction",
+               BONUS: "sv-bonus", "target": "sv-target"}
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.4f}"
+
+
+def _span(text: str, kind: str, title: str, extra_class: str = "", style: str = "") -> str:
+    cls = f"sv-tok {_KIND_CLASS[kind]} {extra_class}".strip()
+    style_attr = f' style="{style}"' if style else ""
+    return f'<span class="{cls}" title="{html.escape(title)}"{style_attr}>{html.escape(text)}</span>'
+
+
+def legend_html() -> str:
+    items = [("accepted draft", "accepted"), ("rejected draft", REJECTED), ("correction", CORRECTION),
+             ("bonus", BONUS), ("baseline token", "target")]
+    return '<div class="sv-legend">' + "".join(_span(n, k, n) for n, k in items) + "</div>"
+
+
+def stream_html(run: Run | None, show_rounds: bool = False, diff_at: int | None = None) -> str:
+    """The token stream, one span per token; hover shows p, q, min(1, p/q) and u."""
+    if run is None or not run.events:
+        return '<div class="sv-stream"></div>'
+    parts, position = [], 0
+    for e in run.events:
+        if show_rounds:
+            parts.append(f'<span class="sv-round">│{e.index + 1}</span>')
+        for i, t in enumerate(e.drafted):
+            if t.status not in ("accepted", REJECTED):
+                continue
+            title = (f"round {e.index + 1}, draft position {i + 1}: {t.status}\n"
+                     f"p = {_fmt(t.p)}  q = {_fmt(t.q)}\nmin(1, p/q) = {_fmt(t.accept_prob)}  u = {_fmt(t.u)}")
+            mark = "sv-diff" if t.accepted and position == diff_at else ""
+            parts.append(_span(t.text, t.status, title, mark))
+            position += t.accepted
+        if e.extra is not None:
+            x = e.extra
+            title = f"round {e.index + 1}: {x.kind} token from the target\np = {_fmt(x.p)}"
+            if x.q is not None:
+                title += f"  q = {_fmt(x.q)}"
+            parts.append(_span(x.text, x.kind, title, "sv-diff" if position == diff_at else ""))
+            position += 1
+    return '<div class="sv-stream">' + "".join(parts) + "</div>"
+
+
+def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
+    from .theory import cost_ratio
+
+    if spec is None:
+        return ""
+    alpha = spec.acceptance_rate
+    rows = [
+        ("acceptance rate α̂", "–" if alpha is None else f"{alpha:.1%}"),
+        ("accepted / rejected / drafted", f"{spec.n_accepted} / {spec.n_rejected} / {spec.n_drafted}"),
+        ("mean tokens per round", f"{spec.tokens_per_round:.2f}"),
+        ("rounds (target passes)", str(spec.target_passes)),
+        ("speculative tokens/s", f"{spec.tokens_per_s:.1f}"),
+    ]
+    c = cost_ratio(spec, baseline)
+    if c is not None:
+        rows.append(("c (draft step / target step)", f"{c:.3f}"))
+    if baseline is not None and baseline.events:
+        rows += [
+            ("baseline target passes", str(baseline.target_passes)),
+            ("baseline tokens/s", f"{baseline.tokens_per_s:.1f}"),
+            ("speedup", f"{spec.tokens_per_s / baseline.tokens_per_s:.2f}×" if baseline.tokens_per_s else "–"),
+        ]
+    body = "".join(f"<tr><td>{html.escape(k)}</td><td><b>{html.escape(v)}</b></td></tr>" for k, v in rows)
+    return f'<table class="sv-stats">{body}</table>'
+
+
+def diff_html(spec: Run, baseline: Run) -> str:
+    greedy = spec.meta.temperature == 0
+    at = first_difference(spec.token_ids, baseline.token_ids)
+    if not greedy:
+        return ('<div class="sv-note">Sampled mode: the two texts are different draws; speculative '
+                "sampling keeps the target's distribution, not its individual samples.</div>")
+    if at is None:
+        return '<div class="sv-note">Greedy: identical to the baseline, token for token.</div>'
+    return (f'<div class="sv-note">Greedy: the texts part at generated token {at + 1} (outlined). In '
+            f"{html.escape(spec.meta.dtype)} a k-token forward and k one-token forwards round differently, and "
+            "a near-tie can flip: numerics, not the algorithm.</div>")
+
+
+def race_html(spec: Run, baseline: Run, speed: float = 1.0) -> str:
+    """Both texts appear at their measured pace (CSS animation delays, no script)."""
+    rows = []
+    for run, name in [(spec, "speculative"), (baseline, "baseline")]:
+        spans = []
+        for e in run.events:
+            delay = e.elapsed_ms / 1000 / speed
+            kinds = [(t.text, "accepted") for t in e.drafted if t.accepted]
+            if e.extra:
+                kinds.append((e.extra.text, e.extra.kind))
+            for text, kind in kinds:
+                spans.append(_span(text, kind, f"{name}: {delay:.2f} s", style=f"animation-delay:{delay:.3f}s"))
+        rows.append(f'<div><b>{name}</b> ({run.tokens_per_s:.1f} tokens/s)'
+                    f'<div class="sv-race-row">{"".join(spans)}</div></div>')
+    return "".join(rows)
+
+
+def error_html(message: str) -> str:
+    return f'<div class="sv-error">{html.escape(message)}</div>'
+
+
+def note_html(message: str) -> str:
+    return f'<div class="sv-note">{html.escape(message)}</div>'

@@ -1,0 +1,299 @@
+"""specviz web app: watch speculative decoding, round by round (Gradio 6).
+
+Layout first, then handlers as plain generator functions; `python app.py` serves on
+0.0.0.0:7860 (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT respected) with the offline default pair.
+The UI consumes events from the specviz library and never touches tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gradio as gr
+
+from specviz import charts
+from specviz.events import Run, load_runs, save_runs
+from specviz.generator import MAX_GAMMA, Settings, baseline_events, make_meta, speculative_events
+from specviz.generator import validate_prompt as check_prompt
+from specviz.models import PRESETS, ModelPair, encode_prompt, load_pair
+from specviz.rendering import (
+    CSS,
+    diff_html,
+    error_html,
+    first_difference,
+    legend_html,
+    note_html,
+    race_html,
+    stats_html,
+    stream_html,
+)
+
+CUSTOM = "custom (enter ids below)"
+EXAMPLES = [
+    "The future of AI",
+    "Robot learning emotions",
+    "Happy Birthday lyrics",
+    "Rewrite this function to use a list comprehension:\n\ndef squares(n):\n    out = []\n    for i in range(n):\n"
+    "        out.append(i * i)\n    return out",
+]
+QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", "16"))
+TRACE_DIR = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
+
+_pairs: dict[tuple[str, str], ModelPair] = {}
+_pairs_lock = threading.Lock()
+
+
+def get_pair(preset: str, custom_target: str, custom_draft: str) -> ModelPair:
+    """Load a pair once and keep it: the default preset, plus the last other pair asked for."""
+    if preset == CUSTOM:
+        if not custom_target.strip() or not custom_draft.strip():
+            raise ValueError("a custom pair needs both a target id and a draft id")
+        key, kwargs = (custom_target.strip(), custom_draft.strip()), {}
+    else:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        key, kwargs = (PRESETS[preset].target, PRESETS[preset].draft), {"preset": preset}
+    with _pairs_lock:
+        if key not in _pairs:
+            pair = load_pair(**kwargs) if kwargs else load_pair(*key)
+            for old in [k for k in _pairs if k != (PRESETS["offline"].target, PRESETS["offline"].draft)]:
+                del _pairs[old]  # keep memory bounded: one non-default pair at a time
+            _pairs[key] = pair
+        return _pairs[key]
+
+
+@dataclass
+class View:
+    """Everything the page shows for a pair of runs; `outputs` orders it like OUTPUTS."""
+
+    status: str = ""
+    spec: Run | None = None
+    base: Run | None = None
+    show_rounds: bool = False
+
+    def outputs(self, download: str | None = None, race: str = "", final: bool = True):
+        """The page; between rounds (final=False) the inspector and the download stay as they are."""
+        diff_at = greedy_diff(self.spec, self.base)
+        runs = [r for r in (self.spec, self.base) if r is not None]
+        choices = token_choices(self.spec)
+        # open the inspector on the first rejection, where there is most to see
+        first_rejected = next((value for label, value in choices if "(rejected)" in label), None)
+        picker = gr.update(choices=choices, value=first_rejected) if final else gr.skip()
+        return (
+            self.status,
+            stream_html(self.spec, self.show_rounds, diff_at),
+            stream_html(self.base, self.show_rounds, diff_at) if self.base else "",
+            diff_html(self.spec, self.base) if self.spec and self.base else "",
+            stats_html(self.spec, self.base),
+            charts.tokens_per_round(self.spec),
+            charts.tokens_over_time(self.spec, self.base),
+            charts.acceptance_by_position(self.spec),
+            charts.speedup_curve(self.spec, self.base),
+            runs,
+            picker,
+            download if final else gr.skip(),
+            race if final else gr.skip(),
+        )
+
+
+def greedy_diff(spec: Run | None, base: Run | None) -> int | None:
+    """Where greedy texts part (None if identical, sampled, or no baseline)."""
+    if spec and base and spec.meta.temperature == 0:
+        return first_difference(spec.token_ids, base.token_ids)
+    return None
+
+
+def split_runs(runs: list[Run] | None) -> tuple[Run | None, Run | None]:
+    spec = next((r for r in runs or [] if r.meta.mode == "speculative"), None)
+    base = next((r for r in runs or [] if r.meta.mode == "baseline"), None)
+    return spec, base
+
+
+def token_choices(run: Run | None) -> list[tuple[str, str]]:
+    """Dropdown entries for the inspector: every tested drafted token."""
+    out = []
+    for e in run.events if run else []:
+        for i, t in enumerate(e.drafted):
+            if t.status != "unverified":
+                out.append((f"round {e.index + 1} · position {i + 1} · {t.text!r} ({t.status})", f"{e.index}:{i}"))
+    return out
+
+
+def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
+                   max_new_tokens, compare, show_rounds):
+    """Run speculative decoding (then the baseline, if asked), yielding the page once per round."""
+    view = View(show_rounds=bool(show_rounds))
+    try:
+        settings = Settings(gamma=_int(gamma, "gamma"), temperature=_float(temperature, "temperature"),
+                            top_k=_int(top_k, "top_k"), top_p=_float(top_p, "top_p"), seed=_int(seed, "seed"),
+                            max_new_tokens=_int(max_new_tokens, "max_new_tokens"))
+        settings.validate()
+        check_prompt(prompt)
+        view.status = note_html("loading models…")
+        yield view.outputs(final=False)
+        pair = get_pair(preset, custom_target or "", custom_draft or "")
+        prompt_ids = encode_prompt(pair.tokenizer, prompt)
+    except (ValueError, OSError, RuntimeError) as err:
+        view.status = error_html(f"Error: {err}")
+        yield view.outputs()
+        return
+
+    note = f"Draft note: {pair.draft_note}. " if pair.draft_note else ""
+    view.spec = Run(make_meta(pair, "speculative", prompt, prompt_ids, settings))
+    for event in speculative_events(pair, prompt_ids, settings, view.spec.meta):
+        view.spec.events.append(event)
+        view.status = note_html(f"{note}speculative: round {event.index + 1}, {event.tokens_so_far} tokens")
+        yield view.outputs(final=False)
+    view.spec.text = pair.tokenizer.decode(view.spec.token_ids, skip_special_tokens=True)
+
+    if compare:  # after the speculative run, never beside it, so that neither slows the other
+        view.base = Run(make_meta(pair, "baseline", prompt, prompt_ids, settings))
+        for event in baseline_events(pair, prompt_ids, settings, view.base.meta):
+            view.base.events.append(event)
+            if event.index % 8 == 0 or event.finish_reason:
+                view.status = note_html(f"{note}baseline: {event.tokens_so_far} tokens")
+                yield view.outputs(final=False)
+        view.base.text = pair.tokenizer.decode(view.base.token_ids, skip_special_tokens=True)
+
+    runs = [r for r in (view.spec, view.base) if r]
+    path = TRACE_DIR / f"specviz-run-{os.getpid()}-{id(view)}.json"
+    save_runs(path, runs)
+    view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.")
+    yield view.outputs(download=str(path), race=race_html(view.spec, view.base) if view.base else "")
+
+
+def _int(value, name: str) -> int:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not number.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(number)
+
+
+def _float(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def replay(file, show_rounds):
+    """Show a saved trace without loading any model."""
+    if file is None:
+        return View(status=note_html("no file")).outputs()
+    try:
+        runs = load_runs(file if isinstance(file, str) else file.name)
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        return View(status=error_html(f"Error: {err}")).outputs()
+    spec, base = split_runs(runs)
+    view = View(status=note_html(f"replaying a trace of {spec.meta.target if spec else '?'}"), spec=spec,
+                base=base, show_rounds=bool(show_rounds))
+    return view.outputs(race=race_html(spec, base) if spec and base else "")
+
+
+def rerender(runs, show_rounds):
+    spec, base = split_runs(runs)
+    diff_at = greedy_diff(spec, base)
+    return stream_html(spec, show_rounds, diff_at), stream_html(base, show_rounds, diff_at) if base else ""
+
+
+def inspect_token(runs, choice):
+    spec, _ = split_runs(runs)
+    if spec is None or not choice:
+        return charts.token_inspector(None)
+    round_index, position = (int(x) for x in choice.split(":"))
+    token = spec.events[round_index].drafted[position]
+    return charts.token_inspector(token, f"round {round_index + 1}, position {position + 1}:")
+
+
+def race(runs):
+    spec, base = split_runs(runs)
+    if not (spec and base):
+        return note_html("The race needs a run with 'compare with baseline'.")
+    # a fresh comment makes the HTML differ, so the browser re-creates it and the animation restarts
+    return race_html(spec, base) + f"<!-- {time.monotonic()} -->"
+
+
+with gr.Blocks(title="specviz: watch speculative decoding") as demo:
+    gr.Markdown("# specviz: watch speculative decoding\nA small draft model proposes γ tokens; the target "
+                "checks them all in one forward pass and keeps each with probability min(1, p/q).")
+    with gr.Row():
+        with gr.Column(scale=2):
+            prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLES[0])
+            gr.Examples(EXAMPLES, inputs=prompt, label="Example prompts")
+        with gr.Column(scale=1):
+            preset = gr.Dropdown([*PRESETS, CUSTOM], value="offline", label="Model pair")
+            custom_target = gr.Textbox(label="Custom target (hub id or local dir)", visible=False)
+            custom_draft = gr.Textbox(label="Custom draft (same tokenizer)", visible=False)
+    with gr.Row():
+        gamma = gr.Slider(1, MAX_GAMMA, value=4, step=1, label="γ (draft tokens per round)")
+        temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
+        top_k = gr.Number(0, label="top-k (0 = off)", precision=0)
+        top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p")
+        seed = gr.Number(0, label="seed", precision=0)
+        max_new_tokens = gr.Slider(1, 512, value=64, step=1, label="max new tokens")
+    with gr.Row():
+        compare = gr.Checkbox(True, label="compare with baseline")
+        show_rounds = gr.Checkbox(False, label="mark round boundaries")
+        run_btn = gr.Button("Run", variant="primary", elem_id="run-btn")
+        stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
+    status = gr.HTML(elem_id="status")
+    gr.HTML(legend_html())
+    with gr.Row():
+        with gr.Column():
+            gr.Markdown("### Speculative")
+            spec_html = gr.HTML(elem_id="spec-stream")
+        with gr.Column():
+            gr.Markdown("### Baseline (target alone)")
+            base_html = gr.HTML(elem_id="base-stream")
+    diff_box = gr.HTML()
+    stats = gr.HTML(elem_id="stats")
+    with gr.Row():
+        fig_rounds = gr.Plot(elem_id="chart-rounds", show_label=False)
+        fig_time = gr.Plot(elem_id="chart-time", show_label=False)
+    with gr.Row():
+        fig_position = gr.Plot(elem_id="chart-position", show_label=False)
+        fig_speedup = gr.Plot(elem_id="chart-speedup", show_label=False)
+    with gr.Accordion("Token inspector", open=True):
+        token_pick = gr.Dropdown([], label="drafted token", elem_id="token-pick")
+        fig_inspect = gr.Plot(show_label=False)
+    with gr.Accordion("Race replay: both runs at their measured speeds", open=True):
+        race_btn = gr.Button("Replay the race")
+        race_box = gr.HTML()
+    with gr.Row():
+        download = gr.DownloadButton("Download run (JSON)", value=None)
+        upload = gr.File(label="Replay a JSON run (no model needed)", file_types=[".json"])
+    runs_state = gr.State([])
+
+    OUTPUTS = [status, spec_html, base_html, diff_box, stats, fig_rounds, fig_time, fig_position, fig_speedup,
+               runs_state, token_pick, download, race_box]
+    INPUTS = [prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed, max_new_tokens,
+              compare, show_rounds]
+    run_event = run_btn.click(run_generation, INPUTS, OUTPUTS, api_name="run", concurrency_limit=1,
+                              concurrency_id="device", show_progress="hidden")
+    stop_btn.click(None, None, None, cancels=[run_event], api_visibility="private")
+    upload.upload(replay, [upload, show_rounds], OUTPUTS, api_name="replay")
+    show_rounds.change(rerender, [runs_state, show_rounds], [spec_html, base_html], api_visibility="private")
+    token_pick.change(inspect_token, [runs_state, token_pick], fig_inspect, api_visibility="private")
+    race_btn.click(race, runs_state, race_box, api_visibility="private")
+    preset.change(lambda p: [gr.update(visible=p == CUSTOM)] * 2, preset, [custom_target, custom_draft],
+                  api_visibility="private")
+
+
+def launch(**kwargs):
+    """Queue and launch with the app's CSS (Gradio 6 takes css at launch)."""
+    demo.queue(max_size=QUEUE_SIZE)
+    return demo.launch(css=CSS, show_error=True, **kwargs)
+
+
+if __name__ == "__main__":
+    get_pair("offline", "", "")  # load (and on first use convert) the default pair before serving
+    launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
+           server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

@@ -1,0 +1,69 @@
+"""The UI's building blocks: escaped HTML, hover text, charts that keep their zoom, the theory."""
+
+import pytest
+
+from specviz import charts
+from specviz.events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, TopToken
+from specviz.rendering import diff_html, first_difference, run_text, stats_html, stream_html
+from specviz.theory import cost_ratio, expected_tokens_per_round, speedup_bound
+
+
+def make_run(mode="speculative", temperature=0.0) -> Run:
+    meta = RunMeta(mode, "t", "d", "float32", "cpu", 2, temperature, 0, 1.0, 0, 8, "p", [1], 10)
+    evil = "<script>alert(1)</script>"
+    events = [
+        RoundEvent(0, 2, [DraftedToken(5, "a", 0.5, 0.4, 0.8, 0.3, "accepted", [TopToken(5, "a", 0.4, 0.5)]),
+                          DraftedToken(6, evil, 0.6, 0.1, 1 / 6, 0.9, "rejected",
+                                       [TopToken(6, evil, 0.1, 0.6, 0.0), TopToken(7, "c", 0.5, 0.1, 0.8)])],
+                   ExtraToken(7, "c", "correction", 0.5, 0.1), 1, 4.0, 10.0, 2, 2, 2, 20.0),
+        RoundEvent(1, 2, [DraftedToken(8, "d", 0.9, 0.9, 1.0, 0.1, "accepted"),
+                          DraftedToken(9, "e", 0.8, 0.9, 1.0, 0.2, "accepted")],
+                   ExtraToken(4, "f", "bonus", 0.7), 2, 4.0, 10.0, 5, 4, 5, 40.0, "length"),
+    ]
+    return Run(meta, events)
+
+
+def test_token_text_is_escaped_and_hover_has_p_q_u():
+    html = stream_html(make_run(), show_rounds=True)
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert html.count("sv-accepted") == 3 and html.count("sv-rejected") == 1
+    assert "p = 0.1000  q = 0.6000" in html and "u = 0.9000" in html and "│2" in html
+
+
+def test_summaries():
+    run = make_run()
+    assert (run.n_accepted, run.n_rejected, run.n_tokens, run.token_ids) == (3, 1, 5, [5, 7, 8, 9, 4])
+    assert run.acceptance_rate == 0.75 and run.tokens_per_round == 2.5 and run.tokens_per_s == 125.0
+    assert run_text(run, colour=False) == "a[-<script>alert(1)</script>-]{c}de<f>"
+    assert "3 / 1 / 4" in stats_html(run)
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_diff_marker_names_the_position():
+    a, b = make_run(), make_run("baseline")
+    assert "identical" in diff_html(a, b)
+    b.events[1].extra = ExtraToken(3, "g", "bonus", 0.7)
+    assert "part at generated token 5" in diff_html(a, b)
+    assert "Sampled mode" in diff_html(make_run(temperature=1.0), b)
+
+
+def test_charts_keep_zoom_and_show_the_data():
+    run = make_run()
+    figs = [charts.tokens_per_round(run), charts.tokens_over_time(run, run), charts.acceptance_by_position(run),
+            charts.speedup_curve(run, run), charts.token_inspector(run.events[0].drafted[1], "x")]
+    assert all(f["layout"]["uirevision"] for f in figs)
+    assert figs[0]["data"][0]["y"] == [1, 2] and figs[0]["data"][1]["y"] == [1, 0]
+    assert figs[2]["data"][0]["y"] == [1.0, 0.5]  # position 1: 2 of 2 accepted; position 2: 1 of 2
+    assert len(figs[4]["data"]) == 3  # p, q and the residual at a rejected position
+    for fig in figs:  # valid Plotly: the full Figure accepts every spec
+        assert fig.figure().to_json()
+
+
+def test_theory():
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.5, 1) == pytest.approx(1.5)
+    assert speedup_bound(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / 0.2 / 1.2)
+    run = make_run()
+    assert cost_ratio(run) == pytest.approx((8.0 / 4) / 10.0)  # 2 ms per drafted token over a 10 ms step
