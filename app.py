@@ -18,7 +18,7 @@ import gradio as gr
 
 from specviz import charts
 from specviz.events import Run, load_runs, save_runs
-from specviz.generator import MAX_GAMMA, Settings, baseline_events, make_meta, speculative_events
+from specviz.generator import MAX_GAMMA, Settings, baseline_events, check_fits, make_meta, speculative_events
 from specviz.generator import validate_prompt as check_prompt
 from specviz.models import PRESETS, ModelPair, encode_prompt, load_pair
 from specviz.rendering import (
@@ -42,14 +42,35 @@ EXAMPLES = [
     "        out.append(i * i)\n    return out",
 ]
 QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", "16"))
-TRACE_DIR = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
+# Public mode (on in the Docker image): presets only, and caps on what one request may ask for.
+PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", "no")
+MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
+MAX_TOKENS_UI = 256 if PUBLIC else 512
+MAX_GAMMA_UI = 8 if PUBLIC else MAX_GAMMA
+TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
 
+try:  # ZeroGPU on Hugging Face Spaces: borrow a GPU per request; elsewhere a no-op
+    import spaces
+
+    on_gpu = spaces.GPU(duration=120)
+except ImportError:
+
+    def on_gpu(fn):
+        return fn
+
+
+TRACE_DIR = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
+KEEP_TRACES = 64  # newest downloadable traces kept on disk
+
+SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 _pairs: dict[tuple[str, str], ModelPair] = {}
 _pairs_lock = threading.Lock()
 
 
 def get_pair(preset: str, custom_target: str, custom_draft: str) -> ModelPair:
     """Load a pair once and keep it: the default preset, plus the last other pair asked for."""
+    if preset == CUSTOM and PUBLIC:
+        raise ValueError("custom models are turned off on this public server; pick a preset")
     if preset == CUSTOM:
         if not custom_target.strip() or not custom_draft.strip():
             raise ValueError("a custom pair needs both a target id and a draft id")
@@ -124,20 +145,36 @@ def token_choices(run: Run | None) -> list[tuple[str, str]]:
     return out
 
 
+def check_request(prompt: str, settings: Settings) -> None:
+    """What this server accepts, beyond what the library does (ValueError otherwise)."""
+    settings.validate()
+    check_prompt(prompt)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt has {len(prompt)} characters; this server takes at most {MAX_PROMPT_CHARS}")
+    if settings.max_new_tokens > MAX_TOKENS_UI:
+        raise ValueError(f"max_new_tokens must be at most {MAX_TOKENS_UI} here, got {settings.max_new_tokens}")
+    if settings.gamma > MAX_GAMMA_UI:
+        raise ValueError(f"gamma must be at most {MAX_GAMMA_UI} here, got {settings.gamma}")
+
+
+@on_gpu
 def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
                    max_new_tokens, compare, show_rounds):
     """Run speculative decoding (then the baseline, if asked), yielding the page once per round."""
     view = View(show_rounds=bool(show_rounds))
+    started = time.perf_counter()
     try:
+        if not isinstance(prompt, str):
+            raise ValueError("the prompt must be text")
         settings = Settings(gamma=_int(gamma, "gamma"), temperature=_float(temperature, "temperature"),
                             top_k=_int(top_k, "top_k"), top_p=_float(top_p, "top_p"), seed=_int(seed, "seed"),
                             max_new_tokens=_int(max_new_tokens, "max_new_tokens"))
-        settings.validate()
-        check_prompt(prompt)
+        check_request(prompt, settings)
         view.status = note_html("loading models…")
         yield view.outputs(final=False)
         pair = get_pair(preset, custom_target or "", custom_draft or "")
         prompt_ids = encode_prompt(pair.tokenizer, prompt)
+        check_fits(pair, prompt_ids, settings)
     except (ValueError, OSError, RuntimeError) as err:
         view.status = error_html(f"Error: {err}")
         yield view.outputs()
@@ -145,10 +182,16 @@ def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperatu
 
     note = f"Draft note: {pair.draft_note}. " if pair.draft_note else ""
     view.spec = Run(make_meta(pair, "speculative", prompt, prompt_ids, settings))
+    SERVED["runs"] += 1
     for event in speculative_events(pair, prompt_ids, settings, view.spec.meta):
+        SERVED["rounds"] += 1
         view.spec.events.append(event)
         view.status = note_html(f"{note}speculative: round {event.index + 1}, {event.tokens_so_far} tokens")
         yield view.outputs(final=False)
+        if TIME_LIMIT_S and time.perf_counter() - started > TIME_LIMIT_S:
+            note += f"Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s). "
+            compare = False
+            break
     view.spec.text = pair.tokenizer.decode(view.spec.token_ids, skip_special_tokens=True)
 
     if compare:  # after the speculative run, never beside it, so that neither slows the other
@@ -161,8 +204,10 @@ def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperatu
         view.base.text = pair.tokenizer.decode(view.base.token_ids, skip_special_tokens=True)
 
     runs = [r for r in (view.spec, view.base) if r]
-    path = TRACE_DIR / f"specviz-run-{os.getpid()}-{id(view)}.json"
+    path = TRACE_DIR / f"specviz-run-{time.time_ns()}.json"
     save_runs(path, runs)
+    for old in sorted(TRACE_DIR.glob("specviz-run-*.json"))[:-KEEP_TRACES]:
+        old.unlink(missing_ok=True)
     view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.")
     yield view.outputs(download=str(path), race=race_html(view.spec, view.base) if view.base else "")
 
@@ -221,7 +266,8 @@ def race(runs):
     return race_html(spec, base) + f"<!-- {time.monotonic()} -->"
 
 
-with gr.Blocks(title="specviz: watch speculative decoding") as demo:
+# delete_cache: Gradio's copies of downloaded traces go after an hour, so a public server's disk stays flat
+with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3600)) as demo:
     gr.Markdown("# specviz: watch speculative decoding\nA small draft model proposes γ tokens; the target "
                 "checks them all in one forward pass and keeps each with probability min(1, p/q).")
     with gr.Row():
@@ -229,16 +275,16 @@ with gr.Blocks(title="specviz: watch speculative decoding") as demo:
             prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLES[0])
             gr.Examples(EXAMPLES, inputs=prompt, label="Example prompts")
         with gr.Column(scale=1):
-            preset = gr.Dropdown([*PRESETS, CUSTOM], value="offline", label="Model pair")
+            preset = gr.Dropdown([*PRESETS] if PUBLIC else [*PRESETS, CUSTOM], value="offline", label="Model pair")
             custom_target = gr.Textbox(label="Custom target (hub id or local dir)", visible=False)
             custom_draft = gr.Textbox(label="Custom draft (same tokenizer)", visible=False)
     with gr.Row():
-        gamma = gr.Slider(1, MAX_GAMMA, value=4, step=1, label="γ (draft tokens per round)")
+        gamma = gr.Slider(1, MAX_GAMMA_UI, value=4, step=1, label="γ (draft tokens per round)")
         temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
         top_k = gr.Number(0, label="top-k (0 = off)", precision=0)
         top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p")
         seed = gr.Number(0, label="seed", precision=0)
-        max_new_tokens = gr.Slider(1, 512, value=64, step=1, label="max new tokens")
+        max_new_tokens = gr.Slider(1, MAX_TOKENS_UI, value=64, step=1, label="max new tokens")
     with gr.Row():
         compare = gr.Checkbox(True, label="compare with baseline")
         show_rounds = gr.Checkbox(False, label="mark round boundaries")

@@ -1,8 +1,9 @@
-"""Command line: `python -m specviz generate ...`."""
+"""Command line: `python -m specviz generate | bench | distill | bench-render`."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from .generator import (
     MAX_NEW_TOKENS,
     Settings,
     baseline_events,
+    check_fits,
     make_meta,
     speculative_events,
     validate_prompt,
@@ -63,6 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress)
     prompt_ids = encode_prompt(pair.tokenizer, args.prompt, chat_template=not args.no_chat_template)
+    check_fits(pair, prompt_ids, settings)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     out = sys.stdout
 
@@ -130,14 +133,90 @@ def cmd_bench_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    from .distill import DistillConfig
+
+    d = sub.add_parser("distill", help="distil a small draft model from a target (see specviz/distill.py)")
+    d.add_argument("--target", required=True, help="hub id, local directory, or 'offline'")
+    d.add_argument("--out", required=True, help="directory for the draft (safetensors, config, tokenizer)")
+    defaults = DistillConfig("", "")
+    for name in ["prompts", "new_tokens", "gen_batch", "top_k", "layers", "hidden", "heads", "kv_heads",
+                 "intermediate", "max_steps", "batch", "seed"]:
+        d.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    for name in ["gen_temperature", "train_minutes", "lr", "holdout"]:
+        d.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    d.add_argument("--prompts-file", help="one training prompt per line (default: the built-in set)")
+    d.add_argument("--no-chat-template", action="store_true")
+    d.add_argument("--device", default="auto")
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from .distill import DistillConfig, distill
+    from .models import OFFLINE_TARGET
+
+    fields = {k: v for k, v in vars(args).items() if k in DistillConfig.__dataclass_fields__}
+    fields["target"] = OFFLINE_TARGET if args.target == "offline" else args.target
+    fields["chat_template"] = not args.no_chat_template
+    report = distill(DistillConfig(**fields), progress=lambda m: print(m, file=sys.stderr, flush=True))
+    held = report["held_out"]
+    print(f"draft saved to {args.out}: {report['draft_parameters'] / 1e6:.1f} M parameters; "
+          f"{report['data']['train_tokens']} training tokens from {report['data']['prompts']} prompts "
+          f"({report['data']['generation_s']:.0f} s to generate), {report['training']['train_s'] / 60:.1f} min "
+          f"training on {report['device']}; held-out greedy agreement {held['greedy_agreement']:.1%}, "
+          f"expected sampled acceptance {held['sampled_acceptance']:.1%}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="speedup of specviz against the baseline, HF assisted generation and theory")
+    b.add_argument("--preset", choices=list(PRESETS), default="offline")
+    b.add_argument("--gammas", default="1,2,3,4,6", help="comma-separated γ values")
+    b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3, help="runs per setting; medians are reported")
+    b.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation and prompt lookup")
+    b.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, γ 3, greedy, 24 tokens, 1 repeat")
+    b.add_argument("--out", default="bench-results")
+    b.add_argument("--device", default="auto")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench_pair, environment, summary_by_setting, write_results
+    from .prompts import BENCHMARK_PROMPTS
+
+    prompts = BENCHMARK_PROMPTS
+    gammas = [int(g) for g in args.gammas.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    max_new, repeats = args.max_new_tokens, args.repeats
+    if args.quick:
+        prompts = {"classic": BENCHMARK_PROMPTS["classic"][:1], "edit": BENCHMARK_PROMPTS["edit"][:1]}
+        gammas, temperatures, max_new, repeats = [3], [0.0], 24, 1
+    for g in gammas:
+        Settings(gamma=g, max_new_tokens=max_new).validate()
+    pair = load_pair(preset=args.preset, device=args.device, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
+                      progress=lambda m: print(m, file=sys.stderr, flush=True))
+    command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
+    paths = write_results(rows, environment(pair), args.out, command)
+    print(summary_by_setting(rows))
+    print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specviz", description="Watch speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench_render(sub)
+    _add_distill(sub)
+    _add_bench(sub)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.argv = argv
+    commands = {"generate": cmd_generate, "bench-render": cmd_bench_render, "distill": cmd_distill,
+                "bench": cmd_bench}
     try:
-        return {"generate": cmd_generate, "bench-render": cmd_bench_render}[args.command](args)
+        return commands[args.command](args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -102,7 +102,7 @@ class RunMeta:
     prompt: str
     prompt_ids: list[int]
     vocab_size: int
-    draft_note: str = ""  # e.g. that the draft is a stand-in
+    draft_note: str = ""  # a caveat about the draft, shown wherever the pair shows
     prefill_ms: float = 0.0
     versions: dict[str, str] = field(default_factory=dict)
 

@@ -82,6 +82,16 @@ def validate_prompt(prompt: str) -> None:
         raise ValueError("the prompt is empty: type something for the model to continue")
 
 
+def check_fits(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> None:
+    """ValueError if prompt + new tokens (+ a draft's overshoot) exceed either model's context."""
+    limits = [getattr(m.config, "max_position_embeddings", None) for m in (pair.target, pair.draft)]
+    limit = min((n for n in limits if n), default=None)
+    need = len(prompt_ids) + settings.max_new_tokens + settings.gamma
+    if limit is not None and need > limit:
+        raise ValueError(f"the prompt is {len(prompt_ids)} tokens; with {settings.max_new_tokens} new tokens and "
+                         f"γ = {settings.gamma} that needs {need} positions, more than the models' {limit}")
+
+
 class TokenTexts:
     """Decoded text of single token ids, memoised (decode is the slow part of an event)."""
 
@@ -341,6 +351,7 @@ def generate(
     if prompt_ids is None:
         validate_prompt(prompt)
         prompt_ids = encode_prompt(pair.tokenizer, prompt, chat_template)
+    check_fits(pair, prompt_ids, settings)
     if mode not in ("speculative", "baseline"):
         raise ValueError(f"mode must be 'speculative' or 'baseline', got {mode!r}")
     run = Run(make_meta(pair, mode, prompt, prompt_ids, settings))

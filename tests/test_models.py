@@ -3,7 +3,7 @@
 import torch
 from conftest import VOCAB
 
-from specviz.models import OFFLINE_STAND_IN_DRAFT, OFFLINE_TARGET, PRESETS, resolve_device, resolve_dtype
+from specviz.models import OFFLINE_DRAFT, OFFLINE_TARGET, PRESETS, SHIPPED_DRAFT, resolve_device, resolve_dtype
 
 
 def test_padded_logits_are_cut_to_the_shared_vocabulary(pattern_pair):
@@ -20,7 +20,8 @@ def test_loaded_pair_has_requested_dtype_and_eos(pattern_pair):
 
 def test_presets_cover_the_brief():
     assert PRESETS["offline"].offline and PRESETS["offline"].target == OFFLINE_TARGET
-    assert PRESETS["offline"].draft == OFFLINE_STAND_IN_DRAFT and "stand-in" in PRESETS["offline"].draft_note
+    assert PRESETS["offline"].draft == OFFLINE_DRAFT and (SHIPPED_DRAFT / "model.safetensors").exists()
+    assert (SHIPPED_DRAFT / "model.safetensors").stat().st_size <= 25_000_000  # the cap
     pairs = {(p.target, p.draft) for p in PRESETS.values()}
     assert ("facebook/opt-350m", "facebook/opt-125m") in pairs
     assert ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B") in pairs

@@ -1,0 +1,79 @@
+"""Prompt sets: the benchmark's (held out) and the generated training prompts for distillation.
+
+Training prompts are templates crossed with topics; none may equal or contain a benchmark prompt,
+so that acceptance measured on the benchmark is acceptance on text the draft never trained on.
+"""
+
+from __future__ import annotations
+
+import random
+
+BENCHMARK_PROMPTS: dict[str, list[str]] = {
+    "classic": ["The future of AI", "Robot learning emotions", "Happy Birthday lyrics"],
+    "chat": [
+        "What are good habits for getting better sleep?",
+        "How do I politely decline a meeting invitation?",
+    ],
+    "code": [
+        "Write a Python function that checks whether a string is a palindrome.",
+        "Write a JavaScript function that debounces another function.",
+    ],
+    "edit": [
+        "Rewrite this sentence to be more formal: hey, can u send me the report by tomorrow?",
+        "Fix the bug in this code:\n\ndef mean(xs):\n    return sum(xs) / len(xs) + 1",
+    ],
+}
+
+TEMPLATES = [
+    "Write a short story about {t}.",
+    "Explain {t} to a ten-year-old.",
+    "Give me three interesting facts about {t}.",
+    "What are the pros and cons of {t}?",
+    "Write a poem about {t}.",
+    "Summarise the history of {t} in a paragraph.",
+    "How does {t} work?",
+    "Write a blog post introduction about {t}.",
+    "What should a beginner know about {t}?",
+    "Describe a day in the life of someone who works with {t}.",
+    "List five questions people often ask about {t}, with short answers.",
+    "Write an email to a friend recommending {t}.",
+    "Compare {t} with something similar and explain the differences.",
+    "What are common misconceptions about {t}?",
+    "Write a product description for something related to {t}.",
+    "Give step-by-step advice for getting started with {t}.",
+    "Write a dialogue between two people discussing {t}.",
+    "Why is {t} important today?",
+    "Write a Python function related to {t}, with a docstring.",
+    "Rewrite this more clearly: {t} is kind of a thing that people do a lot and stuff.",
+    "Write a limerick about {t}.",
+    "What might {t} look like in fifty years?",
+    "Write a short speech about {t}.",
+    "Summarise the main ideas behind {t} in bullet points.",
+]
+
+TOPICS = [
+    "the ocean", "volcanoes", "honeybees", "black holes", "the printing press", "chess", "coffee", "rainforests",
+    "electric cars", "the immune system", "ancient Rome", "jazz music", "photosynthesis", "the internet",
+    "machine learning", "gardening", "the moon landing", "recycling", "mountain climbing", "bread baking",
+    "solar power", "dinosaurs", "the French revolution", "origami", "public libraries", "marathon running",
+    "sourdough", "quantum computing", "bird migration", "the stock market", "video games", "yoga",
+    "earthquakes", "the human brain", "penguins", "clean water", "the Silk Road", "robots in factories",
+    "climate change", "a lighthouse keeper", "space travel", "friendship", "a small bakery", "learning a language",
+    "cybersecurity", "the water cycle", "electric guitars", "vaccines", "the Olympic games", "a lost dog",
+    "time management", "desert animals", "the Renaissance", "3D printing", "tea ceremonies", "sleep",
+    "bicycles", "smartphones", "coral reefs", "a rainy city", "wolves", "democracy", "the periodic table",
+    "a haunted house", "cooking pasta", "wind turbines", "museums", "sorting algorithms", "linked lists",
+    "SQL databases", "web servers", "unit testing", "version control with git", "recursion", "JSON files",
+    "regular expressions", "spreadsheets", "budgeting", "a job interview", "kindness", "winter holidays",
+    "a science fair", "trains", "pirates", "dragons", "a detective", "northern lights", "mushrooms",
+    "the Pyramids", "typography", "podcasts", "board games", "carnivorous plants", "the Arctic", "nuclear fusion",
+]
+
+
+def training_prompts(n: int, seed: int = 0) -> list[str]:
+    """n distinct prompts from TEMPLATES x TOPICS (at most their product), in a seeded order."""
+    combos = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
+    held_out = [p.lower() for ps in BENCHMARK_PROMPTS.values() for p in ps]
+    combos = [c for c in combos if not any(h in c.lower() or c.lower() in h for h in held_out)]
+    random.Random(seed).shuffle(combos)
+    return combos[:n]

@@ -1,0 +1,41 @@
+"""`distill` end to end on a tiny target: data from the target, a draft that loads and pairs."""
+
+import json
+
+import pytest
+from conftest import words
+
+from specviz import cli
+from specviz.generator import Settings, generate
+from specviz.models import load_pair
+from specviz.prompts import BENCHMARK_PROMPTS, training_prompts
+
+
+def test_training_prompts_hold_out_the_benchmark():
+    prompts = training_prompts(5000)
+    assert len(prompts) == len(set(prompts)) > 1000
+    held_out = {p.lower() for ps in BENCHMARK_PROMPTS.values() for p in ps}
+    assert not any(h in p.lower() for p in prompts for h in held_out)
+
+
+@pytest.mark.slow
+def test_distill_a_tiny_target(pattern_dirs, tmp_path, capsys):
+    target, _ = pattern_dirs("llama")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(0, 30, 2)))
+    out = tmp_path / "draft"
+    argv = ["distill", "--target", str(target), "--out", str(out), "--prompts-file", str(prompts),
+            "--new-tokens", "12", "--gen-batch", "8", "--layers", "1", "--hidden", "32", "--heads", "2",
+            "--kv-heads", "1", "--intermediate", "64", "--max-steps", "60", "--batch", "8", "--lr", "1e-2",
+            "--holdout", "0.2", "--no-chat-template"]
+    assert cli.main(argv) == 0
+    assert "held-out greedy agreement" in capsys.readouterr().out
+    report = json.loads((out / "distill_report.json").read_text())
+    assert report["training"]["steps"] == 60 and report["data"]["train_tokens"] > 100
+    # the draft learnt something of the counting language
+    assert report["held_out"]["greedy_agreement"] > report["held_out_before"]["greedy_agreement"]
+    assert (out / "model.safetensors").exists()
+    pair = load_pair(str(target), str(out), device="cpu", dtype="float32")  # loads, same tokenizer
+    spec = generate(pair, "", Settings(gamma=3, max_new_tokens=10), prompt_ids=words(4, 5, 6))
+    base = generate(pair, "", Settings(gamma=3, max_new_tokens=10), mode="baseline", prompt_ids=words(4, 5, 6))
+    assert spec.token_ids == base.token_ids

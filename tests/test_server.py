@@ -1,0 +1,208 @@
+"""The server survives the public: a bad-input battery, concurrent load, cancel, and memory.
+
+Everything talks to servers on loopback that the tests start themselves, with bounded loops.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from statistics import median
+
+import pytest
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+
+pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def args(prompt="The future of AI", preset="offline", target="", draft="", gamma=3, temperature=0.0, top_k=0,
+         top_p=1.0, seed=0, max_new_tokens=6, compare=False):
+    return (prompt, preset, target, draft, gamma, temperature, top_k, top_p, seed, max_new_tokens, compare, False)
+
+
+def status_of(client: Client, call_args) -> str:
+    """The status line of a run, or the message of an error Gradio raised before the handler ran."""
+    try:
+        return client.predict(*call_args, api_name="/run")[0]
+    except AppError as err:
+        return f"AppError: {err}"
+
+
+@pytest.fixture(scope="module")
+def local_app():
+    import app
+
+    port = free_port()
+    app.get_pair("offline", "", "")
+    app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    yield app, f"http://127.0.0.1:{port}/"
+    app.demo.close()
+
+
+def wait_for_server(url: str, proc: subprocess.Popen, seconds: float = 240) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as page:
+                if page.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(url)
+
+
+def start_server(python: str, env_extra: dict, cwd: Path = ROOT):
+    port = free_port()
+    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), **env_extra}
+    proc = subprocess.Popen([python, "app.py"], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for_server(url, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def public_url():
+    proc, url = start_server(sys.executable, {"SPECVIZ_PUBLIC": "1"})
+    yield url
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+BATTERY = [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="x" * 100_000), "at most 2000"),
+    (dict(prompt="\x00\xff\ufffd\x1b[31m" * 50), None),  # binary junk: either a clean run or a clean error
+    (dict(preset="no-such-preset"), "not in the list of choices"),
+    (dict(preset="custom (enter ids below)", target="gpt2", draft="gpt2"), "not in the list of choices"),
+    (dict(gamma=0), "less than minimum value 1"),
+    (dict(gamma=9), "greater than maximum value 8"),
+    (dict(gamma="three"), "three"),
+    (dict(max_new_tokens=0), "less than minimum value 1"),
+    (dict(max_new_tokens=257), "greater than maximum value 256"),
+    (dict(temperature=-1), "less than minimum value 0"),
+    (dict(temperature=3), "greater than maximum value 2"),
+    (dict(top_p=0), "less than minimum value 0.05"),
+    (dict(top_p=2), "greater than maximum value 1"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k="many"), "many"),
+    (dict(seed=-5), "seed must be an integer"),
+    (dict(seed=1e30), "seed must be an integer"),
+]
+
+
+def test_public_bad_input_battery(public_url):
+    client = Client(public_url, verbose=False)
+    for kwargs, message in BATTERY:
+        status = status_of(client, args(**kwargs))
+        readable = "sv-error" in status or status.startswith("AppError: ") and "upstream Gradio app" not in status
+        clean_run = "done:" in status
+        assert readable or (message is None and clean_run), (kwargs, status)
+        if message is not None:
+            assert message in status, (kwargs, status)
+        good = status_of(client, args(max_new_tokens=4))
+        assert "done: 4 tokens" in good, (kwargs, good)
+
+
+def test_local_mode_custom_pair_with_mismatched_tokenizers(local_app, pattern_dirs, tmp_path):
+    _, url = local_app
+    target, _ = pattern_dirs("llama")
+    from specviz.models import OFFLINE_DRAFT, resolve_model_path
+
+    client = Client(url, verbose=False)
+    status = status_of(client, args(preset="custom (enter ids below)", target=str(target),
+                                    draft=resolve_model_path(OFFLINE_DRAFT)))
+    assert "sv-error" in status and "do not share a tokenizer" in status
+    status = status_of(client, args(preset="custom (enter ids below)", target=str(tmp_path / "nothing-here"),
+                                    draft=str(tmp_path / "nor-here")))
+    assert "sv-error" in status and "could not load model" in status
+    assert "done: 4 tokens" in status_of(client, args(max_new_tokens=4))
+
+
+def test_load_eight_clients_three_runs_each(local_app):
+    _, url = local_app
+    latencies, errors, incomplete = [], [], []
+    lock = threading.Lock()
+
+    def client_loop(i: int) -> None:
+        client = Client(url, verbose=False)
+        for j in range(3):
+            start = time.perf_counter()
+            try:
+                status = client.predict(*args(prompt=f"Tell me about topic {i}.{j}", max_new_tokens=8, seed=i),
+                                        api_name="/run")[0]
+            except Exception as err:  # noqa: BLE001 - every failure counts as an error
+                with lock:
+                    errors.append(repr(err))
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - start)
+                if "done: 8 tokens" not in status:
+                    incomplete.append(status)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    latencies.sort()
+    print(f"\nload: {len(latencies)} runs, {len(errors)} errors, p50 {median(latencies):.2f} s, "
+          f"p95 {latencies[int(0.95 * (len(latencies) - 1))]:.2f} s")
+    assert not errors and not incomplete and len(latencies) == 24
+
+
+def test_stop_frees_the_worker_and_the_next_run_starts(local_app):
+    app, url = local_app
+    client = Client(url, verbose=False)
+    job = client.submit(*args(max_new_tokens=256, gamma=2), api_name="/run")
+    deadline = time.monotonic() + 120
+    while len(job.outputs()) < 3 and time.monotonic() < deadline:  # a few rounds are out
+        time.sleep(0.05)
+    assert len(job.outputs()) >= 3
+    job.cancel()
+    time.sleep(1.0)
+    rounds = app.SERVED["rounds"]
+    time.sleep(2.0)
+    assert app.SERVED["rounds"] == rounds  # the cancelled generator stopped
+    runs = app.SERVED["runs"]
+    assert "done: 5 tokens" in status_of(client, args(max_new_tokens=5))
+    assert app.SERVED["runs"] == runs + 1
+
+
+def rss_kb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def test_memory_stays_flat_over_thirty_runs(local_app):
+    _, url = local_app
+    client = Client(url, verbose=False)
+    for i in range(3):
+        assert "done:" in status_of(client, args(max_new_tokens=8, seed=i, compare=True))
+    after_3 = rss_kb()
+    for i in range(3, 30):
+        assert "done:" in status_of(client, args(max_new_tokens=8, seed=i, compare=True))
+    after_30 = rss_kb()
+    print(f"\nmemory: RSS {after_3 / 1024:.0f} MiB after 3 runs, {after_30 / 1024:.0f} MiB after 30 "
+          f"({(after_30 - after_3) / after_3:+.1%})")
+    assert after_30 <= 1.10 * after_3
