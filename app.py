@@ -339,7 +339,15 @@ def launch(**kwargs):
     return demo.launch(css=CSS, show_error=True, **kwargs)
 
 
+def warm_up() -> None:
+    """Load (on first use, convert) the default pair and run it once, so the first visitor's
+    first round does not pay for loading or for the kernels' first calls."""
+    pair = get_pair("offline", "", "")
+    for _ in speculative_events(pair, encode_prompt(pair.tokenizer, EXAMPLES[0]), Settings(max_new_tokens=4)):
+        pass
+
+
 if __name__ == "__main__":
-    get_pair("offline", "", "")  # load (and on first use convert) the default pair before serving
+    warm_up()
     launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

@@ -46,6 +46,12 @@ def summary(run: Run) -> str:
             f"({run.n_accepted} accepted, {run.n_rejected} rejected of {run.n_drafted} drafted), "
             f"{run.tokens_per_round:.2f} tokens per round over {len(run.events)} rounds (γ = {run.meta.gamma})"
         )
+    draft = sum(e.draft_ms for e in run.events)
+    verify = sum(e.verify_ms for e in run.events)
+    other = run.decode_ms - run.meta.prefill_ms - draft - verify
+    step = "verifying" if run.meta.mode == "speculative" else "target steps"
+    lines.append(f"  time: prefill {run.meta.prefill_ms:.0f} ms, drafting {draft:.0f} ms, {step} {verify:.0f} ms, "
+                 f"everything else {other:.0f} ms")
     return "\n".join(lines)
 
 

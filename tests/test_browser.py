@@ -20,7 +20,7 @@ def app_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app.get_pair("offline", "", "")  # as `python app.py` does before serving
+    app.warm_up()  # as `python app.py` does before serving
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     yield f"http://127.0.0.1:{port}/"
     app.demo.close()

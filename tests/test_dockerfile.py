@@ -42,6 +42,8 @@ def test_install_steps_in_a_fresh_venv_then_public_app(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py, pip = str(venv / "bin" / "python"), str(venv / "bin" / "pip")
     for step in run_steps(dockerfile()):
+        if "pip install" not in step and not step.startswith("python "):
+            continue  # creating the container's user is for the container
         command = step.replace("pip install", f"{pip} install").replace(" --user", "")
         command = re.sub(r"^python ", f"{py} ", command)
         subprocess.run(command, shell=True, cwd=ROOT, check=True, timeout=1200)

@@ -3,6 +3,7 @@
 Everything talks to servers on loopback that the tests start themselves, with bounded loops.
 """
 
+import html
 import os
 import socket
 import subprocess
@@ -32,9 +33,9 @@ def args(prompt="The future of AI", preset="offline", target="", draft="", gamma
 
 
 def status_of(client: Client, call_args) -> str:
-    """The status line of a run, or the message of an error Gradio raised before the handler ran."""
+    """The status line of a run (unescaped), or the message of an error Gradio raised before the handler ran."""
     try:
-        return client.predict(*call_args, api_name="/run")[0]
+        return html.unescape(client.predict(*call_args, api_name="/run")[0])
     except AppError as err:
         return f"AppError: {err}"
 
