@@ -231,37 +231,8 @@ def speculative_events(
             target_cache.crop(-(gamma - n) if stop_at is None else -(gamma - n + 1))
             drafter.verified(n)
 
-            # What the viewer sees: the rule's p and q, or plain softmax when greedy.
-            if params.greedy:
-                p_show = p_logits.softmax(-1)
-                q_show = proposal.logits.softmax(-1) if proposal.logits is not None else proposal.q
-            else:
-                p_show, q_show = p, proposal.q
-            rows = torch.arange(gamma, device=device)
-            p_d = p_show[rows, proposal.tokens].tolist()
-            q_d = q_show[rows, proposal.tokens].tolist()
-            drafted = []
-            for i, tok in enumerate(drafted_ids):
-                status = ACCEPTED if i < n else REJECTED if i == n and stop_at is None else UNVERIFIED
-                top = []
-                if settings.record_top:
-                    residual = (
-                        residual_distribution(p[i], proposal.q[i]) if status == REJECTED and not params.greedy else None
-                    )
-                    top = _top_tokens(p_show[i], q_show[i], residual, tok, settings.record_top, text)
-                drafted.append(
-                    DraftedToken(
-                        tok, text(tok), q_d[i], p_d[i], verdict.accept_probs[i],
-                        verdict.u[i] if status != UNVERIFIED else None, status, top,
-                    )
-                )
-            extra = None
-            if stop_at is None:
-                nt = verdict.next_token
-                kind = CORRECTION if n < gamma else BONUS
-                extra = ExtraToken(
-                    nt, text(nt), kind, float(p_show[n, nt]), float(q_show[n, nt]) if n < gamma else None
-                )
+            drafted, extra = _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, settings.record_top,
+                                           text)
             new = drafted_ids[:n] + ([extra.id] if extra else [])
             event = RoundEvent(
                 index=index, gamma=gamma, drafted=drafted, extra=extra, n_accepted=n,
@@ -282,6 +253,38 @@ def speculative_events(
         yield event
         if event.finish_reason:
             return
+
+
+def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top, text):
+    """The round's drafted tokens and its correction or bonus token, as events.
+
+    What the viewer sees is the rule's p and q, or the plain softmax when greedy.
+    """
+    gamma = proposal.tokens.shape[0]
+    if params.greedy:
+        p_show = p_logits.softmax(-1)
+        q_show = proposal.logits.softmax(-1) if proposal.logits is not None else proposal.q
+    else:
+        p_show, q_show = p, proposal.q
+    rows = torch.arange(gamma, device=p.device)
+    p_d = p_show[rows, proposal.tokens].tolist()
+    q_d = q_show[rows, proposal.tokens].tolist()
+    drafted = []
+    for i, tok in enumerate(proposal.tokens.tolist()):
+        status = ACCEPTED if i < n else REJECTED if i == n and stop_at is None else UNVERIFIED
+        top = []
+        if record_top:
+            rejected_sampled = status == REJECTED and not params.greedy
+            residual = residual_distribution(p[i], proposal.q[i]) if rejected_sampled else None
+            top = _top_tokens(p_show[i], q_show[i], residual, tok, record_top, text)
+        u = verdict.u[i] if status != UNVERIFIED else None
+        drafted.append(DraftedToken(tok, text(tok), q_d[i], p_d[i], verdict.accept_probs[i], u, status, top))
+    extra = None
+    if stop_at is None:
+        nt = verdict.next_token
+        q_extra = float(q_show[n, nt]) if n < gamma else None
+        extra = ExtraToken(nt, text(nt), CORRECTION if n < gamma else BONUS, float(p_show[n, nt]), q_extra)
+    return drafted, extra
 
 
 def _target_step(pair, ids, target_cache, params, generator, text, index):
