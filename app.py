@@ -101,10 +101,12 @@ class View:
         """The page; between rounds (final=False) the inspector and the download stay as they are."""
         diff_at = greedy_diff(self.spec, self.base)
         runs = [r for r in (self.spec, self.base) if r is not None]
-        choices = token_choices(self.spec)
-        # open the inspector on the first rejection, where there is most to see
-        first_rejected = next((value for label, value in choices if "(rejected)" in label), None)
-        picker = gr.update(choices=choices, value=first_rejected) if final else gr.skip()
+        picker = gr.skip()
+        if final:  # the inspector's list only changes when a run ends, not every round
+            choices = token_choices(self.spec)
+            # open the inspector on the first rejection, where there is most to see
+            first_rejected = next((value for label, value in choices if "(rejected)" in label), None)
+            picker = gr.update(choices=choices, value=first_rejected)
         return (
             self.status,
             stream_html(self.spec, self.show_rounds, diff_at),
