@@ -17,12 +17,14 @@ from pathlib import Path
 import gradio as gr
 
 from specviz import charts
+from specviz.batch import batch_events
 from specviz.events import Run, load_runs, save_runs
 from specviz.generator import MAX_GAMMA, Settings, baseline_events, check_fits, make_meta, speculative_events
 from specviz.generator import validate_prompt as check_prompt
 from specviz.models import PRESETS, ModelPair, encode_prompt, load_pair
 from specviz.rendering import (
     CSS,
+    batch_html,
     diff_html,
     error_html,
     first_difference,
@@ -41,12 +43,29 @@ EXAMPLES = [
     "Rewrite this function to use a list comprehension:\n\ndef squares(n):\n    out = []\n    for i in range(n):\n"
     "        out.append(i * i)\n    return out",
 ]
+# Edits copy most of their input: where prompt lookup drafts long runs that the target accepts.
+EDIT_EXAMPLES = [
+    "Correct the spelling in this note: Dear Sam, thank you for the lovley flowers. They brighten up the "
+    "kitchen and remind me of our trip to the contryside last sumer.",
+    "Add a docstring to this function:\n\ndef clamp(value, low, high):\n    if value < low:\n        return low\n"
+    "    if value > high:\n        return high\n    return value",
+    "Change this code to print the result instead of returning it:\n\ndef greet(name):\n    message = "
+    "'Hello, ' + name + '!'\n    return message",
+    "Replace 'car' with 'bicycle' in this text: My car is parked outside. I bought the car last year, and the car "
+    "has been very reliable.",
+]
+DRAFTER_CHOICES = [("draft model", "model"), ("prompt lookup (copies from the prompt, no model)", "lookup")]
+POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on a rejection)", "grow-shrink"),
+                  ("expected speedup (from measured α and costs)", "expected")]
 QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", "16"))
 # Public mode (on in the Docker image): presets only, and caps on what one request may ask for.
 PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", "no")
 MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
 MAX_TOKENS_UI = 256 if PUBLIC else 512
 MAX_GAMMA_UI = 8 if PUBLIC else MAX_GAMMA
+GAMMA_MAX_ADAPTIVE = min(16, MAX_GAMMA_UI)  # the cap an adaptive policy grows to
+MAX_BATCH_UI = 4 if PUBLIC else 8
+BATCH_SEPARATOR = "---"
 TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
 
 try:  # ZeroGPU on Hugging Face Spaces: borrow a GPU per request; elsewhere a no-op
@@ -159,18 +178,38 @@ def check_request(prompt: str, settings: Settings) -> None:
         raise ValueError(f"gamma must be at most {MAX_GAMMA_UI} here, got {settings.gamma}")
 
 
+def make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens) -> Settings:
+    """Settings from the page's controls; ValueError with the control's name if one is off."""
+    gamma = _int(gamma, "gamma")
+    return Settings(gamma=gamma, gamma_policy=str(gamma_policy), gamma_max=max(gamma, GAMMA_MAX_ADAPTIVE),
+                    drafter=str(drafter), temperature=_float(temperature, "temperature"), top_k=_int(top_k, "top_k"),
+                    top_p=_float(top_p, "top_p"), seed=_int(seed, "seed"),
+                    max_new_tokens=_int(max_new_tokens, "max_new_tokens"))
+
+
+def split_batch(text: str) -> list[str]:
+    """Prompts separated by lines holding only '---' (a prompt may span lines)."""
+    prompts, lines = [], []
+    for line in (text or "").splitlines() + [BATCH_SEPARATOR]:
+        if line.strip() == BATCH_SEPARATOR:
+            if "\n".join(lines).strip():
+                prompts.append("\n".join(lines).strip())
+            lines = []
+        else:
+            lines.append(line)
+    return prompts
+
+
 @on_gpu
 def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
-                   max_new_tokens, compare, show_rounds):
+                   max_new_tokens, compare, show_rounds, drafter="model", gamma_policy="fixed"):
     """Run speculative decoding (then the baseline, if asked), yielding the page once per round."""
     view = View(show_rounds=bool(show_rounds))
     started = time.perf_counter()
     try:
         if not isinstance(prompt, str):
             raise ValueError("the prompt must be text")
-        settings = Settings(gamma=_int(gamma, "gamma"), temperature=_float(temperature, "temperature"),
-                            top_k=_int(top_k, "top_k"), top_p=_float(top_p, "top_p"), seed=_int(seed, "seed"),
-                            max_new_tokens=_int(max_new_tokens, "max_new_tokens"))
+        settings = make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens)
         check_request(prompt, settings)
         view.status = note_html("loading models…")
         yield view.outputs(final=False)
@@ -182,7 +221,7 @@ def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperatu
         yield view.outputs()
         return
 
-    note = f"Draft note: {pair.draft_note}. " if pair.draft_note else ""
+    note = f"Draft note: {pair.draft_note}. " if pair.draft_note and settings.drafter == "model" else ""
     view.spec = Run(make_meta(pair, "speculative", prompt, prompt_ids, settings))
     SERVED["runs"] += 1
     for event in speculative_events(pair, prompt_ids, settings, view.spec.meta):
@@ -205,13 +244,63 @@ def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperatu
                 yield view.outputs(final=False)
         view.base.text = pair.tokenizer.decode(view.base.token_ids, skip_special_tokens=True)
 
-    runs = [r for r in (view.spec, view.base) if r]
+    path = save_trace([r for r in (view.spec, view.base) if r])
+    view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.")
+    yield view.outputs(download=str(path), race=race_html(view.spec, view.base) if view.base else "")
+
+
+@on_gpu
+def run_batch(prompts_text, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
+              max_new_tokens, drafter="model", gamma_policy="fixed"):
+    """Decode several prompts as one batch, yielding (status, streams, download) once per round."""
+    started = time.perf_counter()
+    try:
+        prompts = split_batch(prompts_text if isinstance(prompts_text, str) else "")
+        if not prompts:
+            raise ValueError(f"no prompts: write one or more, separated by lines holding only {BATCH_SEPARATOR}")
+        if len(prompts) > MAX_BATCH_UI:
+            raise ValueError(f"{len(prompts)} prompts; this server decodes at most {MAX_BATCH_UI} at once")
+        settings = make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens)
+        for prompt in prompts:
+            check_request(prompt, settings)
+        yield note_html("loading models…"), "", gr.skip()
+        pair = get_pair(preset, custom_target or "", custom_draft or "")
+        prompts_ids = [encode_prompt(pair.tokenizer, p) for p in prompts]
+        for ids in prompts_ids:
+            check_fits(pair, ids, settings)
+    except (ValueError, OSError, RuntimeError) as err:
+        yield error_html(f"Error: {err}"), "", gr.skip()
+        return
+
+    runs = [Run(make_meta(pair, "speculative", p, ids, settings)) for p, ids in zip(prompts, prompts_ids, strict=True)]
+    for run in runs:
+        run.meta.batch_size = len(runs)
+    SERVED["runs"] += 1
+    stopped = ""
+    for index, round_events in enumerate(batch_events(pair, prompts_ids, settings, runs)):
+        SERVED["rounds"] += 1
+        for row, event in round_events:
+            runs[row].events.append(event)
+        yield note_html(f"batch of {len(runs)}: round {index + 1}"), batch_html(runs), gr.skip()
+        if TIME_LIMIT_S and time.perf_counter() - started > TIME_LIMIT_S:
+            stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)."
+            break
+    for run in runs:
+        run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+    path = save_trace(runs)
+    tokens = sum(r.n_tokens for r in runs)
+    seconds = max(r.decode_ms for r in runs) / 1000
+    yield (note_html(f"done: a batch of {len(runs)}, {tokens} tokens in {seconds:.2f} s "
+                     f"({tokens / seconds:.1f} tokens/s over all rows).{stopped}"), batch_html(runs), str(path))
+
+
+def save_trace(runs: list[Run]) -> Path:
+    """Write runs where the download button can serve them; keep only the newest traces."""
     path = TRACE_DIR / f"specviz-run-{time.time_ns()}.json"
     save_runs(path, runs)
     for old in sorted(TRACE_DIR.glob("specviz-run-*.json"))[:-KEEP_TRACES]:
         old.unlink(missing_ok=True)
-    view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.")
-    yield view.outputs(download=str(path), race=race_html(view.spec, view.base) if view.base else "")
+    return path
 
 
 def _int(value, name: str) -> int:
@@ -276,10 +365,14 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
         with gr.Column(scale=2):
             prompt = gr.Textbox(label="Prompt", lines=3, value=EXAMPLES[0])
             gr.Examples(EXAMPLES, inputs=prompt, label="Example prompts")
+            gr.Examples(EDIT_EXAMPLES, inputs=prompt, label="Edits: try them with prompt lookup")
         with gr.Column(scale=1):
             preset = gr.Dropdown([*PRESETS] if PUBLIC else [*PRESETS, CUSTOM], value="offline", label="Model pair")
             custom_target = gr.Textbox(label="Custom target (hub id or local dir)", visible=False)
             custom_draft = gr.Textbox(label="Custom draft (same tokenizer)", visible=False)
+            drafter = gr.Dropdown(DRAFTER_CHOICES, value="model", label="Drafter", elem_id="drafter")
+            gamma_policy = gr.Dropdown(POLICY_CHOICES, value="fixed", label="γ policy", elem_id="gamma-policy",
+                                       info=f"adaptive policies start at γ and draft at most {GAMMA_MAX_ADAPTIVE}")
     with gr.Row():
         gamma = gr.Slider(1, MAX_GAMMA_UI, value=4, step=1, label="γ (draft tokens per round)")
         temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
@@ -315,6 +408,16 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     with gr.Accordion("Race replay: both runs at their measured speeds", open=True):
         race_btn = gr.Button("Replay the race")
         race_box = gr.HTML()
+    with gr.Accordion("Batch: several prompts decoded together, one stream per prompt", open=False):
+        gr.Markdown(f"Up to {MAX_BATCH_UI} prompts, separated by lines holding only `{BATCH_SEPARATOR}`. They use "
+                    "the settings above; each row accepts drafts at its own pace, and a row that finishes leaves "
+                    "the batch.")
+        batch_prompts = gr.Textbox(label="Prompts", lines=6, elem_id="batch-prompts",
+                                   value=f"\n{BATCH_SEPARATOR}\n".join(EXAMPLES[:2] + EDIT_EXAMPLES[:2]))
+        batch_btn = gr.Button("Run batch", elem_id="batch-btn")
+        batch_status = gr.HTML(elem_id="batch-status")
+        batch_box = gr.HTML(elem_id="batch-streams")
+        batch_download = gr.DownloadButton("Download batch (JSON)", value=None)
     with gr.Row():
         download = gr.DownloadButton("Download run (JSON)", value=None)
         upload = gr.File(label="Replay a JSON run (no model needed)", file_types=[".json"])
@@ -323,10 +426,15 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     OUTPUTS = [status, spec_html, base_html, diff_box, stats, fig_rounds, fig_time, fig_position, fig_speedup,
                runs_state, token_pick, download, race_box]
     INPUTS = [prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed, max_new_tokens,
-              compare, show_rounds]
+              compare, show_rounds, drafter, gamma_policy]
     run_event = run_btn.click(run_generation, INPUTS, OUTPUTS, api_name="run", concurrency_limit=1,
                               concurrency_id="device", show_progress="hidden")
-    stop_btn.click(None, None, None, cancels=[run_event], api_visibility="private")
+    BATCH_INPUTS = [batch_prompts, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
+                    max_new_tokens, drafter, gamma_policy]
+    batch_event = batch_btn.click(run_batch, BATCH_INPUTS, [batch_status, batch_box, batch_download],
+                                  api_name="batch", concurrency_limit=1, concurrency_id="device",
+                                  show_progress="hidden")
+    stop_btn.click(None, None, None, cancels=[run_event, batch_event], api_visibility="private")
     upload.upload(replay, [upload, show_rounds], OUTPUTS, api_name="replay")
     show_rounds.change(rerender, [runs_state, show_rounds], [spec_html, base_html], api_visibility="private")
     token_pick.change(inspect_token, [runs_state, token_pick], fig_inspect, api_visibility="private")

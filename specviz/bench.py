@@ -54,7 +54,7 @@ class BenchRow:
     category: str
     prompt: str
     temperature: float
-    gamma: int
+    gamma: int  # fixed γ, or the first round's under an adaptive policy
     alpha: float | None  # acceptance rate α̂ (median over repeats)
     tokens_per_round: float
     c: float | None  # draft step / target step, measured
@@ -68,6 +68,9 @@ class BenchRow:
     tps_spread: float = 0.0  # (max - min) / median of specviz tokens/s over repeats
     identical_to_baseline: bool | None = None  # greedy only
     identical_to_hf: bool | None = None  # greedy only
+    drafter: str = "model"  # "model" | "lookup"
+    policy: str = "fixed"  # γ policy (schedules.py)
+    mean_gamma: float | None = None  # drafted tokens per round, for adaptive policies
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -91,20 +94,53 @@ def _hf_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings, **k
     return len(new) / seconds, new
 
 
-def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int], temperatures: list[float],
-               max_new_tokens: int, repeats: int, with_hf: bool = True, progress=print) -> list[BenchRow]:
+def _spec_row(pair, category, prompt, prompt_ids, base: Run, settings: Settings,
+              repeats: int) -> tuple[BenchRow, list[int]]:
+    """specviz with these settings against the baseline run, and its median run's ids.
+
+    HF figures are added by the caller."""
     from .generator import generate
-    from .models import encode_prompt
     from .theory import cost_ratio, speedup_bound
 
+    specs = [generate(pair, prompt, settings, prompt_ids=prompt_ids) for _ in range(repeats)]
+    spec = _median_run(specs)
+    tps = [r.tokens_per_s for r in specs]
+    c = cost_ratio(spec, base)
+    alpha = spec.acceptance_rate
+    # The bound assumes i.i.d. acceptance at a fixed γ from a draft model: not lookup, not adaptive γ.
+    bounded = settings.drafter == "model" and settings.gamma_policy == "fixed"
+    bound = speedup_bound(alpha, settings.gamma, c) if bounded and alpha is not None and c is not None else None
+    speedup = spec.tokens_per_s / base.tokens_per_s
+    row = BenchRow(category, prompt, settings.temperature, settings.gamma, alpha, spec.tokens_per_round, c,
+                   base.tokens_per_s, spec.tokens_per_s, speedup, bound, speedup / bound if bound else None,
+                   tps_spread=(max(tps) - min(tps)) / median(tps), drafter=settings.drafter,
+                   policy=settings.gamma_policy)
+    if settings.gamma_policy != "fixed":
+        row.mean_gamma = spec.n_drafted / len(spec.events)
+    if settings.temperature == 0:
+        row.identical_to_baseline = spec.token_ids == base.token_ids
+    return row, spec.token_ids
+
+
+def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int], temperatures: list[float],
+               max_new_tokens: int, repeats: int, with_hf: bool = True, progress=print,
+               drafters: tuple[str, ...] = ("model", "lookup"), lookup_gammas: list[int] | None = None,
+               policies: tuple[str, ...] = ("grow-shrink", "expected")) -> list[BenchRow]:
+    """Per prompt and temperature: the baseline, then each drafter over its γ sweep (with HF's
+    assisted generation or prompt lookup at the same γ), then each adaptive policy (defaults,
+    no tuning)."""
+    from .generator import generate
+    from .models import encode_prompt
+
+    lookup_gammas = lookup_gammas or gammas
     if with_hf:  # HF drafts exactly γ tokens a round, like specviz
         pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
         pair.draft.generation_config.assistant_confidence_threshold = 0.0
     rows = []
     first = next(iter(prompts.values()))[0]
-    warm = Settings(gamma=max(gammas), max_new_tokens=8, record_top=0)
-    generate(pair, first, warm)
-    generate(pair, first, warm, mode="baseline")
+    for drafter in drafters:  # warm-up: first calls of every kernel and path
+        generate(pair, first, Settings(gamma=max(gammas), max_new_tokens=8, record_top=0, drafter=drafter))
+    generate(pair, first, Settings(max_new_tokens=8, record_top=0), mode="baseline")
     for category, texts in prompts.items():
         for prompt in texts:
             prompt_ids = encode_prompt(pair.tokenizer, prompt)
@@ -113,99 +149,185 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                 bases = [generate(pair, prompt, base_settings, mode="baseline", prompt_ids=prompt_ids)
                          for _ in range(repeats)]
                 base = _median_run(bases)
-                for gamma in gammas:
-                    settings = replace(base_settings, gamma=gamma)
-                    specs = [generate(pair, prompt, settings, prompt_ids=prompt_ids) for _ in range(repeats)]
-                    spec = _median_run(specs)
-                    tps = [r.tokens_per_s for r in specs]
-                    c = cost_ratio(spec, base)
-                    alpha = spec.acceptance_rate
-                    bound = speedup_bound(alpha, gamma, c) if alpha is not None and c is not None else None
-                    speedup = spec.tokens_per_s / base.tokens_per_s
-                    row = BenchRow(category, prompt, temperature, gamma, alpha, spec.tokens_per_round, c,
-                                   base.tokens_per_s, spec.tokens_per_s, speedup, bound,
-                                   speedup / bound if bound else None, tps_spread=(max(tps) - min(tps)) / median(tps))
-                    if temperature == 0:
-                        row.identical_to_baseline = spec.token_ids == base.token_ids
-                    if with_hf:
-                        pair.draft.generation_config.num_assistant_tokens = gamma
-                        hf = [_hf_generate(pair, prompt_ids, settings, assistant_model=pair.draft)
-                              for _ in range(repeats)]
-                        row.hf_assisted_tps = median(t for t, _ in hf)
-                        lookup = [_hf_generate(pair, prompt_ids, settings, prompt_lookup_num_tokens=gamma)
+                for drafter in drafters:
+                    for gamma in gammas if drafter == "model" else lookup_gammas:
+                        settings = replace(base_settings, gamma=gamma, drafter=drafter)
+                        row, ids = _spec_row(pair, category, prompt, prompt_ids, base, settings, repeats)
+                        if with_hf and drafter == "model":
+                            pair.draft.generation_config.num_assistant_tokens = gamma
+                            hf = [_hf_generate(pair, prompt_ids, settings, assistant_model=pair.draft)
                                   for _ in range(repeats)]
-                        row.hf_lookup_tps = median(t for t, _ in lookup)
-                        if temperature == 0:
-                            row.identical_to_hf = hf[0][1] == spec.token_ids
-                    rows.append(row)
-                    progress(f"{category} T={temperature} γ={gamma}: α={alpha if alpha is None else round(alpha, 3)} "
-                             f"speedup {speedup:.2f}x")
+                            row.hf_assisted_tps = median(t for t, _ in hf)
+                            if temperature == 0:
+                                row.identical_to_hf = hf[0][1] == ids
+                        if with_hf and drafter == "lookup":
+                            lookup = [_hf_generate(pair, prompt_ids, settings, prompt_lookup_num_tokens=gamma)
+                                      for _ in range(repeats)]
+                            row.hf_lookup_tps = median(t for t, _ in lookup)
+                        rows.append(row)
+                        progress(f"{category} T={temperature:g} {drafter} γ={gamma}: α={_fmt(row.alpha)} "
+                                 f"speedup {row.speedup:.2f}x")
+                    for policy in policies:
+                        settings = replace(base_settings, gamma=Settings.gamma, gamma_policy=policy, drafter=drafter)
+                        rows.append(_spec_row(pair, category, prompt, prompt_ids, base, settings, repeats)[0])
+                        progress(f"{category} T={temperature:g} {drafter} γ {policy}: "
+                                 f"mean γ {rows[-1].mean_gamma:.1f}, speedup {rows[-1].speedup:.2f}x")
     return rows
 
 
-def markdown_table(rows: list[BenchRow]) -> str:
-    def f(x, spec="{:.2f}"):
-        return "–" if x is None else spec.format(x)
+def _fmt(x: float | None, spec: str = "{:.2f}") -> str:
+    return "–" if x is None else spec.format(x)
 
-    head = ("| category | prompt | T | γ | α | tokens/round | c | baseline tok/s | specviz tok/s | speedup | bound "
-            "| efficiency | HF assisted tok/s | specviz / HF | HF lookup tok/s | greedy text = baseline |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+@dataclass
+class BatchRow:
+    drafter: str
+    gamma: int
+    prompts: int
+    batch_tps: float  # all rows' tokens over the batch's wall time, median over repeats
+    sequential_tps: float  # the same prompts one after another, same settings
+    ratio: float
+    identical: bool  # every row's text equals its single-prompt run's
+
+
+def bench_batch(pair: ModelPair, prompts: list[str], drafter: str, gamma: int, max_new_tokens: int,
+                repeats: int) -> BatchRow:
+    """Greedy: a batch of prompts against the same prompts run one after another, alternating."""
+    from .batch import generate_batch
+    from .generator import generate
+    from .models import encode_prompt
+
+    settings = Settings(gamma=gamma, drafter=drafter, max_new_tokens=max_new_tokens, record_top=0)
+    ids = [encode_prompt(pair.tokenizer, p) for p in prompts]
+    generate_batch(pair, prompts, replace(settings, max_new_tokens=8), prompts_ids=ids)  # warm-up
+    batch_tps, seq_tps = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        rows = generate_batch(pair, prompts, settings, prompts_ids=ids)
+        batch_tps.append(sum(r.n_tokens for r in rows) / (time.perf_counter() - start))
+        start = time.perf_counter()
+        alone = [generate(pair, p, settings, prompt_ids=i) for p, i in zip(prompts, ids, strict=True)]
+        seq_tps.append(sum(r.n_tokens for r in alone) / (time.perf_counter() - start))
+    identical = all(b.token_ids == a.token_ids for b, a in zip(rows, alone, strict=True))
+    return BatchRow(drafter, gamma, len(prompts), median(batch_tps), median(seq_tps),
+                    median(batch_tps) / median(seq_tps), identical)
+
+
+def _gamma_label(r: BenchRow) -> str:
+    return str(r.gamma) if r.policy == "fixed" else f"{r.policy} (mean {r.mean_gamma:.1f})"
+
+
+def markdown_table(rows: list[BenchRow]) -> str:
+    head = ("| category | prompt | T | drafter | γ | α | tokens/round | c | baseline tok/s | specviz tok/s | speedup "
+            "| bound | efficiency | HF assisted tok/s | specviz / HF | HF lookup tok/s | greedy text = baseline |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
-        ratio = r.specviz_tps / r.hf_assisted_tps if r.hf_assisted_tps else None
+        hf = r.hf_assisted_tps or r.hf_lookup_tps
+        ratio = r.specviz_tps / hf if hf else None
         same = "–" if r.identical_to_baseline is None else ("yes" if r.identical_to_baseline else "no")
         prompt = r.prompt.replace("\n", " ").replace("|", "\\|")[:40]
-        body += (f"| {r.category} | {prompt} | {r.temperature:g} | {r.gamma} | {f(r.alpha)} | "
-                 f"{r.tokens_per_round:.2f} | {f(r.c, '{:.3f}')} | {r.baseline_tps:.1f} | {r.specviz_tps:.1f} | "
-                 f"{r.speedup:.2f}x | {f(r.bound)} | {f(r.efficiency)} | {f(r.hf_assisted_tps, '{:.1f}')} | "
-                 f"{f(ratio)} | {f(r.hf_lookup_tps, '{:.1f}')} | {same} |\n")
+        body += (f"| {r.category} | {prompt} | {r.temperature:g} | {r.drafter} | {_gamma_label(r)} | {_fmt(r.alpha)} | "
+                 f"{r.tokens_per_round:.2f} | {_fmt(r.c, '{:.3f}')} | {r.baseline_tps:.1f} | {r.specviz_tps:.1f} | "
+                 f"{r.speedup:.2f}x | {_fmt(r.bound)} | {_fmt(r.efficiency)} | {_fmt(r.hf_assisted_tps, '{:.1f}')} | "
+                 f"{_fmt(ratio)} | {_fmt(r.hf_lookup_tps, '{:.1f}')} | {same} |\n")
     return head + body
 
 
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return median(values) if values else None
+
+
 def summary_by_setting(rows: list[BenchRow]) -> str:
-    """Median over prompts for each (temperature, γ)."""
-    lines = ["| T | γ | median α | median tokens/round | median c | median speedup | median bound | median efficiency "
-             "| median specviz / HF assisted |", "|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r.temperature, r.gamma) for r in rows})
-    for t, g in keys:
-        sel = [r for r in rows if (r.temperature, r.gamma) == (t, g)]
-
-        def med(values):
-            values = [v for v in values if v is not None]
-            return f"{median(values):.2f}" if values else "–"
-
-        lines.append(f"| {t:g} | {g} | {med(r.alpha for r in sel)} | {med(r.tokens_per_round for r in sel)} | "
-                     f"{med(r.c for r in sel)} | {med(r.speedup for r in sel)}x | {med(r.bound for r in sel)} | "
-                     f"{med(r.efficiency for r in sel)} | "
-                     f"{med(r.specviz_tps / r.hf_assisted_tps for r in sel if r.hf_assisted_tps)} |")
+    """Median over prompts for each (drafter, temperature, γ or policy). specviz / HF compares
+    with HF assisted generation (draft model) or HF prompt lookup (lookup) at the same γ."""
+    lines = ["| drafter | T | γ | median α | median tokens/round | median c | median speedup | median bound "
+             "| median efficiency | median specviz / HF |", "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r.drafter, r.temperature, r.policy != "fixed", r.policy, r.gamma) for r in rows})
+    for drafter, t, _, policy, g in keys:
+        sel = [r for r in rows if (r.drafter, r.temperature, r.policy, r.gamma) == (drafter, t, policy, g)]
+        label = str(g) if policy == "fixed" else f"{policy} (mean {_median(r.mean_gamma for r in sel):.1f})"
+        hf = _median(r.specviz_tps / (r.hf_assisted_tps or r.hf_lookup_tps) for r in sel
+                     if r.hf_assisted_tps or r.hf_lookup_tps)
+        lines.append(f"| {drafter} | {t:g} | {label} | {_fmt(_median(r.alpha for r in sel))} | "
+                     f"{_fmt(_median(r.tokens_per_round for r in sel))} | {_fmt(_median(r.c for r in sel))} | "
+                     f"{_fmt(_median(r.speedup for r in sel))}x | {_fmt(_median(r.bound for r in sel))} | "
+                     f"{_fmt(_median(r.efficiency for r in sel))} | {_fmt(hf)} |")
     return "\n".join(lines) + "\n"
 
 
+def adaptive_summary(rows: list[BenchRow]) -> str:
+    """Each adaptive policy against the best fixed γ of the sweep (by median speedup over prompts)."""
+    lines = ["| drafter | T | best fixed γ | its median speedup | policy | median speedup | policy / best fixed |",
+             "|---|---|---|---|---|---|---|"]
+    for drafter, t in sorted({(r.drafter, r.temperature) for r in rows}):
+        fixed = [r for r in rows if (r.drafter, r.temperature, r.policy) == (drafter, t, "fixed")]
+        by_gamma = {g: _median(r.speedup for r in fixed if r.gamma == g) for g in {r.gamma for r in fixed}}
+        if not by_gamma:
+            continue
+        best = max(by_gamma, key=by_gamma.get)
+        for policy in sorted({r.policy for r in rows} - {"fixed"}):
+            adaptive = _median(r.speedup for r in rows if (r.drafter, r.temperature, r.policy) == (drafter, t, policy))
+            if adaptive is not None:
+                lines.append(f"| {drafter} | {t:g} | {best} | {by_gamma[best]:.2f}x | {policy} | {adaptive:.2f}x | "
+                             f"{adaptive / by_gamma[best]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def category_summary(rows: list[BenchRow]) -> str:
+    """Median speedup per prompt category, drafter and fixed γ, greedy: where each drafter pays."""
+    greedy = [r for r in rows if r.temperature == 0 and r.policy == "fixed"]
+    lines = ["| category | drafter | γ | median speedup | median α | median tokens/round |",
+             "|---|---|---|---|---|---|"]
+    for category, drafter, g in sorted({(r.category, r.drafter, r.gamma) for r in greedy}):
+        sel = [r for r in greedy if (r.category, r.drafter, r.gamma) == (category, drafter, g)]
+        lines.append(f"| {category} | {drafter} | {g} | {_median(r.speedup for r in sel):.2f}x | "
+                     f"{_fmt(_median(r.alpha for r in sel))} | {_median(r.tokens_per_round for r in sel):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def batch_table(batch_rows: list[BatchRow]) -> str:
+    lines = ["| drafter | γ | prompts | batch tok/s | one after another tok/s | batch / sequential "
+             "| same greedy text |",
+             "|---|---|---|---|---|---|---|"]
+    for b in batch_rows:
+        lines.append(f"| {b.drafter} | {b.gamma} | {b.prompts} | {b.batch_tps:.1f} | {b.sequential_tps:.1f} | "
+                     f"{b.ratio:.2f}x | {'yes' if b.identical else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def best_gamma(rows: list[BenchRow], drafter: str, temperature: float = 0.0) -> int | None:
+    """The fixed γ with the best median speedup over prompts."""
+    fixed = [r for r in rows if (r.drafter, r.temperature, r.policy) == (drafter, temperature, "fixed")]
+    by_gamma = {g: _median(r.speedup for r in fixed if r.gamma == g) for g in {r.gamma for r in fixed}}
+    return max(by_gamma, key=by_gamma.get) if by_gamma else None
+
+
 def speedup_chart(rows: list[BenchRow]):
-    """Speedup against γ (median over prompts) with Leviathan's bound, per temperature; and specviz vs HF."""
+    """Speedup against γ (median over prompts, fixed γ) with Leviathan's bound, per temperature;
+    HF assisted generation; and both lookups."""
     from .charts import COLOURS, PlotlySpec
 
     traces = []
     for t in sorted({r.temperature for r in rows}):
-        gammas = sorted({r.gamma for r in rows if r.temperature == t})
-
-        def med(attr, g, t=t):
-            values = [getattr(r, attr) for r in rows if (r.temperature, r.gamma) == (t, g)]
-            values = [v for v in values if v is not None]
-            return median(values) if values else None
-
         dash = "solid" if t == 0 else "dash"
-        traces += [
-            {"type": "scatter", "mode": "lines+markers", "name": f"specviz, T={t:g}", "x": gammas,
-             "y": [med("speedup", g) for g in gammas], "line": {"color": COLOURS["speculative"], "dash": dash}},
-            {"type": "scatter", "mode": "lines", "name": f"Leviathan bound, T={t:g}", "x": gammas,
-             "y": [med("bound", g) for g in gammas], "line": {"color": COLOURS["theory"], "dash": dash}},
-        ]
-        if any(r.hf_assisted_tps for r in rows):
-            traces.append({"type": "scatter", "mode": "lines+markers", "name": f"HF assisted, T={t:g}", "x": gammas,
-                           "y": [median(r.hf_assisted_tps / r.baseline_tps for r in rows
-                                        if (r.temperature, r.gamma) == (t, g) and r.hf_assisted_tps)
-                                 for g in gammas], "line": {"color": COLOURS["correction"], "dash": dash}})
+
+        def line(name: str, drafter: str, value, colour: str, mode: str = "lines+markers", t=t, dash=dash) -> None:
+            sel = [r for r in rows if (r.temperature, r.drafter, r.policy) == (t, drafter, "fixed")]
+            gammas = sorted({r.gamma for r in sel})
+            y = [_median(value(r) for r in sel if r.gamma == g) for g in gammas]
+            if any(v is not None for v in y):
+                traces.append({"type": "scatter", "mode": mode, "name": f"{name}, T={t:g}", "x": gammas, "y": y,
+                               "line": {"color": colour, "dash": dash}})
+
+        line("specviz, draft model", "model", lambda r: r.speedup, COLOURS["speculative"])
+        line("Leviathan bound", "model", lambda r: r.bound, COLOURS["theory"], "lines")
+        line("HF assisted", "model", lambda r: r.hf_assisted_tps and r.hf_assisted_tps / r.baseline_tps,
+             COLOURS["correction"])
+        line("specviz, prompt lookup", "lookup", lambda r: r.speedup, COLOURS["bonus"])
+        line("HF prompt lookup", "lookup", lambda r: r.hf_lookup_tps and r.hf_lookup_tps / r.baseline_tps,
+             COLOURS["baseline"])
     return PlotlySpec(data=traces, layout={
         "title": {"text": "Speedup over the plain target, median over prompts"}, "xaxis": {"title": {"text": "γ"}},
         "yaxis": {"title": {"text": "speedup (tokens/s over baseline tokens/s)"}}, "width": 900, "height": 500,
@@ -225,7 +347,8 @@ def environment(pair: ModelPair) -> dict:
             "cpu": platform.processor() or platform.machine(), "target": pair.target_name, "draft": pair.draft_name}
 
 
-def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str) -> dict[str, str]:
+def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
+                  batch_rows: list[BatchRow] = ()) -> dict[str, str]:
     """results.json, results.md and speedup.html (+ speedup.png when chromium and playwright are here)."""
     import json
     from dataclasses import asdict
@@ -234,11 +357,16 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "html": out / "speedup.html"}
-    paths["json"].write_text(json.dumps({"environment": env, "command": command, "rows": [asdict(r) for r in rows]},
+    paths["json"].write_text(json.dumps({"environment": env, "command": command, "rows": [asdict(r) for r in rows],
+                                         "batch": [asdict(b) for b in batch_rows]},
                                         indent=2), encoding="utf-8")
     env_line = ", ".join(f"{k} {v}" for k, v in env.items())
-    paths["md"].write_text(f"`{command}`\n\n{env_line}\n\n### By setting\n\n{summary_by_setting(rows)}\n"
-                           f"### Every run\n\n{markdown_table(rows)}", encoding="utf-8")
+    paths["md"].write_text(
+        f"`{command}`\n\n{env_line}\n\n### By setting\n\n{summary_by_setting(rows)}\n"
+        f"### Adaptive γ against the best fixed γ\n\n{adaptive_summary(rows)}\n"
+        f"### By prompt category (greedy)\n\n{category_summary(rows)}\n"
+        + (f"### Batch against one after another (greedy)\n\n{batch_table(batch_rows)}\n" if batch_rows else "")
+        + f"### Every run\n\n{markdown_table(rows)}", encoding="utf-8")
     fig = speedup_chart(rows).figure()
     fig.write_html(paths["html"], include_plotlyjs=True)
     try:  # PNG through a headless browser, where one is installed

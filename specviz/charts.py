@@ -40,18 +40,22 @@ def _figure(traces: list[dict[str, Any]], title: str, x: str, y: str, key: str, 
 
 
 def tokens_per_round(run: Run | None) -> PlotlySpec:
-    """Stacked bars per round: accepted, rejected, and the +1 the target adds."""
+    """Stacked bars per round: accepted, rejected, and the +1 the target adds; and γ, the tokens
+    drafted that round (it moves when a policy adapts it, or when prompt lookup finds less)."""
     events = run.events if run else []
     x = [e.index + 1 for e in events]
 
     def bar(name: str, y: list[int], colour: str) -> dict[str, Any]:
         return {"type": "bar", "name": name, "x": x, "y": y, "marker": {"color": colour}}
 
+    gamma = {"type": "scatter", "mode": "lines+markers", "name": "γ drafted", "x": x, "y": [e.gamma for e in events],
+             "line": {"color": COLOURS["theory"], "shape": "hvh", "width": 1.5}, "marker": {"size": 4}}
     return _figure([
         bar("accepted", [e.n_accepted for e in events], COLOURS["accepted"]),
         bar("rejected", [e.n_rejected for e in events], COLOURS["rejected"]),
         bar("+1 (correction or bonus)", [1 if e.extra else 0 for e in events], COLOURS["correction"]),
-    ], "Tokens per round", "round", "tokens", "rounds", barmode="stack")
+        gamma,
+    ], "Tokens per round, and γ", "round", "tokens", "rounds", barmode="stack")
 
 
 def tokens_over_time(spec: Run | None, baseline: Run | None = None) -> PlotlySpec:
@@ -99,8 +103,9 @@ def speedup_curve(spec: Run | None, baseline: Run | None = None, max_gamma: int 
         shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": 1, "y1": 1,
                        "line": {"dash": "dot", "color": COLOURS["baseline"]}})
         if baseline and baseline.tokens_per_s and spec.tokens_per_s:
+            mean_gamma = spec.n_drafted / len(spec.events)  # γ itself unless it adapted
             traces.append({"type": "scatter", "mode": "markers", "name": "measured (this run)",
-                           "x": [spec.meta.gamma], "y": [spec.tokens_per_s / baseline.tokens_per_s],
+                           "x": [round(mean_gamma, 2)], "y": [spec.tokens_per_s / baseline.tokens_per_s],
                            "marker": {"size": 12, "color": COLOURS["speculative"]}})
     return _figure(traces, "Speedup: measured against the Leviathan bound", "γ (tokens drafted per round)",
                    "speedup over the baseline", "speedup", shapes=shapes)

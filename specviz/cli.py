@@ -5,30 +5,43 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from dataclasses import replace
 
+from .batch import MAX_BATCH
 from .events import Run, save_runs
 from .generator import (
+    DRAFTERS,
     MAX_GAMMA,
     MAX_NEW_TOKENS,
     Settings,
     baseline_events,
     check_fits,
+    generate,
     make_meta,
     speculative_events,
     validate_prompt,
 )
 from .models import PRESETS, encode_prompt, load_pair
-from .rendering import first_difference, legend, round_text, summary
+from .rendering import batch_summary, first_difference, legend, round_text, run_text, summary
+from .schedules import POLICIES
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate with speculative decoding and show every round")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, action="append",
+                   help="the prompt; give it several times to decode a batch (one stream per prompt)")
     g.add_argument("--preset", choices=list(PRESETS), help="a model pair (default: offline)")
     g.add_argument("--target", help="target model: hub id or local directory")
     g.add_argument("--draft", help="draft model: hub id or local directory (same tokenizer)")
-    g.add_argument("--gamma", type=int, default=4, help=f"tokens drafted per round, 1..{MAX_GAMMA} (default 4)")
+    g.add_argument("--gamma", type=int, default=4,
+                   help=f"tokens drafted per round, 1..{MAX_GAMMA} (default 4); an adaptive policy starts here")
+    g.add_argument("--drafter", choices=list(DRAFTERS), default="model",
+                   help="model: the pair's draft model (default); lookup: copy from the prompt and text (n-grams)")
+    g.add_argument("--gamma-policy", choices=list(POLICIES), default="fixed",
+                   help="fixed (default); grow-shrink: +2 after a fully accepted round, -1 after a rejection; "
+                        "expected: each round the γ with the best expected speedup from what the run measured")
+    g.add_argument("--gamma-max", type=int, default=16, help="the most an adaptive policy drafts (default 16)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -53,21 +66,29 @@ def _stream(events, run: Run, colour: bool, out) -> Run:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     settings = Settings(
-        gamma=args.gamma, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        gamma=args.gamma, gamma_policy=args.gamma_policy, gamma_max=max(args.gamma_max, args.gamma),
+        drafter=args.drafter, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens,
     )
     settings.validate()
-    validate_prompt(args.prompt)
+    for prompt in args.prompt:
+        validate_prompt(prompt)
+    if len(args.prompt) > MAX_BATCH:
+        raise ValueError(f"a batch holds at most {MAX_BATCH} prompts, got {len(args.prompt)}")
     preset = args.preset or (None if args.target or args.draft else "offline")
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress)
-    prompt_ids = encode_prompt(pair.tokenizer, args.prompt, chat_template=not args.no_chat_template)
-    check_fits(pair, prompt_ids, settings)
+    prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
+    for ids in prompts_ids:
+        check_fits(pair, ids, settings)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     out = sys.stdout
+    if len(args.prompt) > 1:
+        return _generate_batch(pair, args, prompts_ids, settings, colour, out)
+    prompt, prompt_ids = args.prompt[0], prompts_ids[0]
 
     if args.compare:  # warm both paths up so that neither pays first-call costs in the timing
         warm = replace(settings, max_new_tokens=min(8, settings.max_new_tokens), record_top=0)
@@ -76,18 +97,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for _ in baseline_events(pair, prompt_ids, warm):
             pass
 
-    print(f"target {pair.target_name} <- draft {pair.draft_name} ({pair.dtype}, {pair.device})", file=out)
-    if pair.draft_note:
+    print(_pair_line(pair, settings), file=out)
+    if pair.draft_note and settings.drafter == "model":
         print(f"note: {pair.draft_note}", file=out)
     print(f"legend: {legend(colour)}\n", file=out)
-    spec = Run(make_meta(pair, "speculative", args.prompt, prompt_ids, settings))
+    spec = Run(make_meta(pair, "speculative", prompt, prompt_ids, settings))
     _stream(speculative_events(pair, prompt_ids, settings, spec.meta), spec, colour, out)
     spec.text = pair.tokenizer.decode(spec.token_ids, skip_special_tokens=True)
     print("\n" + summary(spec), file=out)
     runs = [spec]
 
     if args.compare:
-        base = Run(make_meta(pair, "baseline", args.prompt, prompt_ids, settings))
+        base = Run(make_meta(pair, "baseline", prompt, prompt_ids, settings))
         base.events.extend(baseline_events(pair, prompt_ids, settings, base.meta))
         base.text = pair.tokenizer.decode(base.token_ids, skip_special_tokens=True)
         runs.append(base)
@@ -104,6 +125,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f"(a numerical near-tie in {pair.dtype}, not the algorithm; see README)",
                     file=out,
                 )
+    if args.trace:
+        save_runs(args.trace, runs)
+        print(f"trace saved to {args.trace}", file=out)
+    return 0
+
+
+def _pair_line(pair, settings: Settings) -> str:
+    draft = pair.draft_name if settings.drafter == "model" else "prompt lookup (no draft model)"
+    return f"target {pair.target_name} <- draft {draft} ({pair.dtype}, {pair.device})"
+
+
+def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings, colour: bool, out) -> int:
+    """Decode the prompts as one batch; print each row's rounds, then the batch's throughput."""
+    from .batch import generate_batch
+
+    print(f"{_pair_line(pair, settings)}, a batch of {len(prompts_ids)}", file=out)
+    print(f"legend: {legend(colour)}\n", file=out)
+    if args.compare:  # warm-up, as for a single prompt
+        generate_batch(pair, args.prompt, replace(settings, max_new_tokens=8, record_top=0), prompts_ids=prompts_ids)
+    start = time.perf_counter()
+    runs = generate_batch(pair, args.prompt, settings, prompts_ids=prompts_ids)
+    batch_s = time.perf_counter() - start
+    for row, run in enumerate(runs):
+        print(f"[{row + 1}] {run.meta.prompt!r}\n{run_text(run, colour)}\n{summary(run)}\n", file=out)
+    print(batch_summary(runs, batch_s), file=out)
+    if args.compare:
+        start = time.perf_counter()
+        alone = [generate(pair, p, settings, prompt_ids=ids) for p, ids in zip(args.prompt, prompts_ids, strict=True)]
+        alone_s = time.perf_counter() - start
+        tokens = sum(r.n_tokens for r in alone)
+        print(f"one after another: {tokens} tokens in {alone_s:.2f} s, {tokens / alone_s:.1f} tokens/s; the batch is "
+              f"{sum(r.n_tokens for r in runs) / batch_s / (tokens / alone_s):.2f}x that", file=out)
+        if settings.sampling.greedy:
+            same = sum(a.token_ids == b.token_ids for a, b in zip(alone, runs, strict=True))
+            print(f"greedy text: {same} of {len(runs)} rows identical to their single-prompt runs", file=out)
     if args.trace:
         save_runs(args.trace, runs)
         print(f"trace saved to {args.trace}", file=out)
@@ -170,35 +226,75 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="speedup of specviz against the baseline, HF assisted generation and theory")
     b.add_argument("--preset", choices=list(PRESETS), default="offline")
-    b.add_argument("--gammas", default="1,2,3,4,6", help="comma-separated γ values")
+    b.add_argument("--gammas", default="1,2,4", help="comma-separated γ values for the draft model")
+    b.add_argument("--lookup-gammas", default="2,4,8", help="comma-separated γ values for prompt lookup")
+    b.add_argument("--drafters", default="model,lookup", help="comma-separated: model, lookup")
+    b.add_argument("--policies", default="grow-shrink,expected",
+                   help="adaptive γ policies to run with their defaults ('' for none)")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--repeats", type=int, default=3, help="runs per setting; medians are reported")
+    b.add_argument("--max-new-tokens", type=int, default=48)
+    b.add_argument("--repeats", type=int, default=2, help="runs per setting; medians are reported")
+    b.add_argument("--batch", type=int, default=4,
+                   help="also time a batch of this many prompts against them one after another (0: skip)")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation and prompt lookup")
-    b.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, γ 3, greedy, 24 tokens, 1 repeat")
+    b.add_argument("--quick", action="store_true",
+                   help="smoke test: 2 prompts, γ 3, greedy, 24 tokens, 1 repeat, 'expected' policy, batch of 2")
     b.add_argument("--out", default="bench-results")
     b.add_argument("--device", default="auto")
 
 
+def _csv(text: str, kind=str) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import bench_pair, environment, summary_by_setting, write_results
+    from .bench import (
+        adaptive_summary,
+        bench_batch,
+        bench_pair,
+        best_gamma,
+        environment,
+        summary_by_setting,
+        write_results,
+    )
+    from .generator import DRAFTERS
     from .prompts import BENCHMARK_PROMPTS
+    from .schedules import POLICIES
 
     prompts = BENCHMARK_PROMPTS
-    gammas = [int(g) for g in args.gammas.split(",")]
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    max_new, repeats = args.max_new_tokens, args.repeats
+    gammas, lookup_gammas = _csv(args.gammas, int), _csv(args.lookup_gammas, int)
+    temperatures = _csv(args.temperatures, float)
+    drafters, policies = _csv(args.drafters), _csv(args.policies)
+    max_new, repeats, batch = args.max_new_tokens, args.repeats, args.batch
     if args.quick:
-        prompts = {"classic": BENCHMARK_PROMPTS["classic"][:1], "edit": BENCHMARK_PROMPTS["edit"][:1]}
-        gammas, temperatures, max_new, repeats = [3], [0.0], 24, 1
-    for g in gammas:
+        prompts = {"classic": BENCHMARK_PROMPTS["classic"][:1], "edit": BENCHMARK_PROMPTS["edit"][-1:]}
+        gammas, lookup_gammas, temperatures, max_new, repeats = [3], [3], [0.0], 24, 1
+        policies, batch = ["expected"], 2
+    for d in drafters:
+        if d not in DRAFTERS:
+            raise ValueError(f"--drafters: {d!r} is not one of {', '.join(DRAFTERS)}")
+    for p in policies:
+        if p not in POLICIES or p == "fixed":
+            raise ValueError(f"--policies: {p!r} is not one of grow-shrink, expected")
+    for g in gammas + lookup_gammas:
         Settings(gamma=g, max_new_tokens=max_new).validate()
     pair = load_pair(preset=args.preset, device=args.device, progress=lambda m: print(m, file=sys.stderr, flush=True))
     rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
-                      progress=lambda m: print(m, file=sys.stderr, flush=True))
+                      progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
+                      lookup_gammas=lookup_gammas, policies=tuple(policies))
     command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
-    paths = write_results(rows, environment(pair), args.out, command)
+    write_results(rows, environment(pair), args.out, command)  # kept even if the batch part fails
+    batch_rows = []
+    if batch > 1:  # one prompt of each category in turn, then the next of each, ...
+        columns = [texts for texts in BENCHMARK_PROMPTS.values()]
+        batch_prompts = [c[i] for i in range(max(map(len, columns))) for c in columns if i < len(c)][:batch]
+        for drafter in drafters:
+            batch_rows.append(bench_batch(pair, batch_prompts, drafter, best_gamma(rows, drafter) or 2, max_new,
+                                          repeats))
+            print(f"batch of {batch}, {drafter}: {batch_rows[-1].ratio:.2f}x one after another", file=sys.stderr)
+    paths = write_results(rows, environment(pair), args.out, command, batch_rows)
     print(summary_by_setting(rows))
+    print(adaptive_summary(rows))
     print("wrote " + ", ".join(paths.values()))
     return 0
 

@@ -2,7 +2,8 @@
 
 Like transformers' `CandidateGenerator`: a drafter proposes γ tokens with the distribution q each
 was drawn from, and is then told how many the target kept, so it can roll its state back.
-The generator never looks inside a drafter, so other drafters (n-gram lookup, ...) plug in.
+The generator never looks inside a drafter, so other drafters plug in: a draft model, or n-gram
+lookup in the text itself (no model at all). A drafter may propose fewer than γ tokens, even none.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .sampling import SamplingParams, at_least_float32, logits_to_probs, sample
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # [γ] drafted ids
+    tokens: torch.Tensor  # [γ] drafted ids (γ may be less than asked for, even 0)
     q: torch.Tensor  # [γ, V] the distribution each token was drawn from (one-hot when greedy)
     logits: torch.Tensor | None = None  # [γ, V] raw draft logits, if the drafter has a model
 
@@ -106,3 +107,63 @@ class DraftModelDrafter:
         if keep < self._cached:
             self.cache.crop(keep - self._cached)  # transformers 5: a negative count to remove
             self._cached = keep
+
+
+class PromptLookupDrafter:
+    """Drafts by copying: the continuation of the latest earlier match of the text's last n tokens.
+
+    Prompt lookup decoding (Saxena 2023, HF `prompt_lookup_num_tokens`) with the longest-match-
+    first n of adaptive n-gram decoding (Ou et al. 2024): try n = max_ngram down to min_ngram
+    and take the first n that matches anywhere in the prompt or the text so far. The proposal
+    is deterministic, so q is one-hot: the rule keeps d with probability p(d), and on a
+    rejection samples from p with d removed, renormalised; exact, like the draft-model path.
+    No match: an empty proposal, and the round is a plain target step.
+    """
+
+    name = "prompt lookup"
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.vocab_size = vocab_size
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    @property
+    def cache_len(self) -> int:
+        return 0
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        pass
+
+    def propose(
+        self, ids: torch.Tensor, gamma: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        return lookup_proposal(ids[0], gamma, self.vocab_size, self.max_ngram, self.min_ngram)
+
+    def verified(self, n_accepted: int) -> None:
+        pass
+
+
+def lookup_proposal(seq: torch.Tensor, gamma: int, vocab_size: int, max_ngram: int, min_ngram: int) -> Proposal:
+    """The lookup's continuation of seq [L] with its one-hot q [g, V] (g <= γ, maybe 0)."""
+    tokens = lookup_continuation(seq, gamma, max_ngram, min_ngram) if gamma else seq[:0]
+    q = torch.zeros(tokens.shape[0], vocab_size, device=seq.device)
+    q[torch.arange(tokens.shape[0], device=seq.device), tokens] = 1.0  # q(d) = 1
+    return Proposal(tokens, q)
+
+
+def lookup_continuation(seq: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int = 1) -> torch.Tensor:
+    """seq [L]: up to γ tokens that followed the latest earlier occurrence of seq's last n tokens."""
+    length = seq.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a next token
+        hits = (windows == seq[-n:]).all(dim=1).nonzero()
+        if len(hits):
+            # The latest match is the most relevant one (an edit copies the passage it is at),
+            # but one too close to the end has less than γ tokens to offer: in a loop an earlier
+            # one carries the same text further.
+            starts = hits[:, 0] + n
+            full = starts[starts + gamma <= length]
+            start = int(full[-1] if len(full) else starts[-1])
+            return seq[start : start + gamma]
+    return seq[:0]

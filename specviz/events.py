@@ -93,7 +93,7 @@ class RunMeta:
     draft: str | None
     dtype: str
     device: str
-    gamma: int
+    gamma: int  # the first round's when a policy adapts it
     temperature: float
     top_k: int
     top_p: float
@@ -103,6 +103,9 @@ class RunMeta:
     prompt_ids: list[int]
     vocab_size: int
     draft_note: str = ""  # a caveat about the draft, shown wherever the pair shows
+    gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected"
+    gamma_max: int = 0  # the policy's cap (0 when fixed)
+    batch_size: int = 1  # prompts decoded together (batch.py); this run is one row
     prefill_ms: float = 0.0
     versions: dict[str, str] = field(default_factory=dict)
 

@@ -19,7 +19,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from .drafters import Drafter, DraftModelDrafter, model_logits
+from .drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, model_logits
 from .events import (
     ACCEPTED,
     BONUS,
@@ -36,17 +36,22 @@ from .events import (
 )
 from .models import ModelPair, encode_prompt
 from .sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution, sample
+from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
 MAX_NEW_TOKENS = 4096
 MAX_SEED = 2**63 - 1
+DRAFTERS = ("model", "lookup")  # the pair's draft model, or prompt lookup (n-gram copying)
 
 
 @dataclass(frozen=True)
 class Settings:
     """Everything a run depends on besides the models and the prompt."""
 
-    gamma: int = 4
+    gamma: int = 4  # tokens drafted per round; where a policy adapts it, the first round's
+    gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected" (schedules.py)
+    gamma_max: int = 16  # the most an adaptive policy may draft
+    drafter: str = "model"  # "model" | "lookup"
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -66,6 +71,12 @@ class Settings:
 
         if not is_int(self.gamma) or not 1 <= self.gamma <= MAX_GAMMA:
             raise ValueError(f"gamma (draft length) must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
+        if not is_int(self.gamma_max) or not self.gamma <= self.gamma_max <= MAX_GAMMA:
+            raise ValueError(f"gamma_max must be an integer in [gamma, {MAX_GAMMA}], got {self.gamma_max!r}")
+        if self.gamma_policy not in POLICIES:
+            raise ValueError(f"gamma_policy must be one of {', '.join(POLICIES)}, got {self.gamma_policy!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(
                 f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens!r}"
@@ -86,10 +97,11 @@ def check_fits(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> No
     """ValueError if prompt + new tokens (+ a draft's overshoot) exceed either model's context."""
     limits = [getattr(m.config, "max_position_embeddings", None) for m in (pair.target, pair.draft)]
     limit = min((n for n in limits if n), default=None)
-    need = len(prompt_ids) + settings.max_new_tokens + settings.gamma
+    gamma = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_max
+    need = len(prompt_ids) + settings.max_new_tokens + gamma
     if limit is not None and need > limit:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens; with {settings.max_new_tokens} new tokens and "
-                         f"γ = {settings.gamma} that needs {need} positions, more than the models' {limit}")
+                         f"γ = {gamma} that needs {need} positions, more than the models' {limit}")
 
 
 class TokenTexts:
@@ -139,17 +151,18 @@ def speculative_round(
 ):
     """One round. ids: [1, L], the sequence so far; the target cache holds ids[:, :-1].
 
-    Returns (proposal, p_logits [γ+1, V], p [γ+1, V], verdict, draft_s, verify_s). The target
-    cache then holds L + γ entries; the caller crops it once it knows where the run stops.
+    Returns (proposal, p_logits [g+1, V], p [g+1, V], verdict, draft_s, verify_s), where g <= γ
+    is what the drafter proposed (g = 0: a plain target step). The target cache then holds
+    L + g entries; the caller crops it once it knows where the run stops.
     """
     device = ids.device
     t0 = time.perf_counter()
     proposal = drafter.propose(ids, gamma, params, generator)  # d: [γ], q: [γ, V]
     _sync(device)
     t1 = time.perf_counter()
-    verify_ids = torch.cat([ids[:, -1:], proposal.tokens.view(1, -1)], dim=1)  # [1, γ+1]
-    p_logits = model_logits(target, verify_ids, target_cache, vocab_size)  # [γ+1, V]
-    p = logits_to_probs(p_logits, params)  # p_i = p(. | x, d_<i), i = 1..γ+1
+    verify_ids = torch.cat([ids[:, -1:], proposal.tokens.view(1, -1)], dim=1)  # [1, g+1]
+    p_logits = model_logits(target, verify_ids, target_cache, vocab_size)  # [g+1, V]
+    p = logits_to_probs(p_logits, params)  # p_i = p(. | x, d_<i), i = 1..g+1
     verdict = accept_or_resample(p, proposal.q, proposal.tokens, generator, greedy=params.greedy)
     t2 = time.perf_counter()
     return proposal, p_logits, p, verdict, t1 - t0, t2 - t1
@@ -163,10 +176,13 @@ def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], se
     return RunMeta(
         mode=mode,
         target=pair.target_name,
-        draft=pair.draft_name if mode == "speculative" else None,
+        draft=(pair.draft_name if settings.drafter == "model" else PromptLookupDrafter.name)
+        if mode == "speculative" else None,
         dtype=str(pair.dtype).removeprefix("torch."),
         device=str(pair.device),
         gamma=settings.gamma if mode == "speculative" else 0,
+        gamma_policy=settings.gamma_policy if mode == "speculative" else "fixed",
+        gamma_max=settings.gamma_max if mode == "speculative" and settings.gamma_policy != "fixed" else 0,
         temperature=settings.temperature,
         top_k=settings.top_k,
         top_p=settings.top_p,
@@ -175,7 +191,7 @@ def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], se
         prompt=prompt,
         prompt_ids=list(prompt_ids),
         vocab_size=pair.vocab_size,
-        draft_note=pair.draft_note if mode == "speculative" else "",
+        draft_note=pair.draft_note if mode == "speculative" and settings.drafter == "model" else "",
         versions=_versions(),
     )
 
@@ -196,7 +212,8 @@ def speculative_events(
     settings.validate()
     params, device, V = settings.sampling, pair.device, pair.vocab_size
     text = TokenTexts(pair.tokenizer)
-    drafter = drafter or DraftModelDrafter(pair.draft, V)
+    drafter = drafter or make_drafter(pair, settings)
+    policy = make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max)
     generator = _seeded_generator(device, settings.seed)
     ids = torch.tensor([prompt_ids], device=device)  # [1, L]
 
@@ -214,7 +231,7 @@ def speculative_events(
     while generated < settings.max_new_tokens:
         remaining = settings.max_new_tokens - generated
         # Never draft past the budget: n kept + 1 added <= remaining.
-        gamma = min(settings.gamma, remaining - 1)
+        gamma = min(policy.next_gamma(), remaining - 1)
         if gamma == 0:
             event, new = _target_step(pair, ids, target_cache, params, generator, text, index)
             event.draft_cache_len = drafter.cache_len
@@ -222,7 +239,7 @@ def speculative_events(
             proposal, p_logits, p, verdict, draft_s, verify_s = speculative_round(
                 pair.target, target_cache, drafter, ids, gamma, params, V, generator
             )
-            n = verdict.n_accepted
+            n, gamma = verdict.n_accepted, proposal.tokens.shape[0]  # the drafter may propose fewer
             drafted_ids = proposal.tokens.tolist()
             stop_at = next((i for i in range(n) if drafted_ids[i] in pair.eos_token_ids), None)
             if stop_at is not None:  # an accepted EOS inside the draft ends the text there
@@ -250,9 +267,16 @@ def speculative_events(
             event.finish_reason = "eos"
         elif generated >= settings.max_new_tokens:
             event.finish_reason = "length"
+        policy.observe(event)
         yield event
         if event.finish_reason:
             return
+
+
+def make_drafter(pair: ModelPair, settings: Settings) -> Drafter:
+    if settings.drafter == "lookup":
+        return PromptLookupDrafter(pair.vocab_size)
+    return DraftModelDrafter(pair.draft, pair.vocab_size)
 
 
 def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top, text):
@@ -283,7 +307,8 @@ def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top
     if stop_at is None:
         nt = verdict.next_token
         q_extra = float(q_show[n, nt]) if n < gamma else None
-        extra = ExtraToken(nt, text(nt), CORRECTION if n < gamma else BONUS, float(p_show[n, nt]), q_extra)
+        kind = CORRECTION if n < gamma else BONUS if gamma else TARGET  # nothing drafted: a plain step
+        extra = ExtraToken(nt, text(nt), kind, float(p_show[n, nt]), q_extra)
     return drafted, extra
 
 

@@ -21,6 +21,10 @@ BENCHMARK_PROMPTS: dict[str, list[str]] = {
     "edit": [
         "Rewrite this sentence to be more formal: hey, can u send me the report by tomorrow?",
         "Fix the bug in this code:\n\ndef mean(xs):\n    return sum(xs) / len(xs) + 1",
+        "Correct the spelling mistakes in this paragraph: Teh weather was beautifull yesterday, so we went to "
+        "the park and had a picnik with our freinds.",
+        "Rename the variable `total` to `acc` in this code:\n\ndef sum_list(items):\n    total = 0\n"
+        "    for item in items:\n        total += item\n    return total",
     ],
 }
 

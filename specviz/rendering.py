@@ -44,7 +44,7 @@ def summary(run: Run) -> str:
         lines.append(
             f"  acceptance rate {'n/a' if alpha is None else f'{alpha:.1%}'} "
             f"({run.n_accepted} accepted, {run.n_rejected} rejected of {run.n_drafted} drafted), "
-            f"{run.tokens_per_round:.2f} tokens per round over {len(run.events)} rounds (γ = {run.meta.gamma})"
+            f"{run.tokens_per_round:.2f} tokens per round over {len(run.events)} rounds ({gamma_label(run)})"
         )
     draft = sum(e.draft_ms for e in run.events)
     verify = sum(e.verify_ms for e in run.events)
@@ -53,6 +53,24 @@ def summary(run: Run) -> str:
     lines.append(f"  time: prefill {run.meta.prefill_ms:.0f} ms, drafting {draft:.0f} ms, {step} {verify:.0f} ms, "
                  f"everything else {other:.0f} ms")
     return "\n".join(lines)
+
+
+def gamma_label(run: Run) -> str:
+    """'γ = 4', or the policy and the γ it used when γ adapts."""
+    if run.meta.gamma_policy == "fixed":
+        return f"γ = {run.meta.gamma}"
+    gammas = [e.gamma for e in run.events] or [run.meta.gamma]
+    return (f"γ {run.meta.gamma_policy}: mean {sum(gammas) / len(gammas):.1f}, from {min(gammas)} to {max(gammas)}, "
+            f"cap {run.meta.gamma_max}")
+
+
+def batch_summary(runs: list[Run], seconds: float) -> str:
+    """A batch's throughput: every row's tokens over the batch's wall time."""
+    tokens = sum(r.n_tokens for r in runs)
+    rows = ", ".join(f"[{i + 1}] {'n/a' if r.acceptance_rate is None else f'{r.acceptance_rate:.0%}'}"
+                     for i, r in enumerate(runs))
+    return (f"batch of {len(runs)}: {tokens} tokens in {seconds:.2f} s, {tokens / seconds:.1f} tokens/s; "
+            f"acceptance per row: {rows}")
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -79,6 +97,8 @@ CSS = """
 .sv-legend span { margin-right: 12px; padding: 2px 6px; }
 .sv-stats td { padding: 2px 10px 2px 0; }
 .sv-error { color: #922b21; background: #fdedec; padding: 8px; border-radius: 4px; }
+.sv-batch-row { border-left: 3px solid #ddd; padding: 4px 10px; margin: 8px 0; }
+.sv-batch-head { font-size: 13px; color: #555; margin-bottom: 4px; }
 .sv-note { color: #7d6608; background: #fef9e7; padding: 6px; border-radius: 4px; }
 .sv-race-row { font-family: ui-monospace, monospace; white-space: pre-wrap; margin: 6px 0; }
 .sv-race-row .sv-tok { opacity: 0; animation: sv-appear 0.01s forwards; }
@@ -138,6 +158,8 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         return ""
     alpha = spec.acceptance_rate
     rows = [
+        ("drafter", spec.meta.draft or "–"),
+        ("γ", gamma_label(spec)),
         ("acceptance rate α̂", "–" if alpha is None else f"{alpha:.1%}"),
         ("accepted / rejected / drafted", f"{spec.n_accepted} / {spec.n_rejected} / {spec.n_drafted}"),
         ("mean tokens per round", f"{spec.tokens_per_round:.2f}"),
@@ -185,6 +207,19 @@ def race_html(spec: Run, baseline: Run, speed: float = 1.0) -> str:
         rows.append(f'<div><b>{name}</b> ({run.tokens_per_s:.1f} tokens/s)'
                     f'<div class="sv-race-row">{"".join(spans)}</div></div>')
     return "".join(rows)
+
+
+def batch_html(runs: list[Run]) -> str:
+    """One block per row of a batch: its prompt, its acceptance so far, and its stream."""
+    blocks = []
+    for i, run in enumerate(runs):
+        alpha = run.acceptance_rate
+        state = f", {run.finish_reason}" if run.finish_reason else ""
+        head = (f"<b>[{i + 1}]</b> {html.escape(run.meta.prompt[:80])}{'…' if len(run.meta.prompt) > 80 else ''}"
+                f" · α̂ {'–' if alpha is None else f'{alpha:.0%}'} · {run.tokens_per_round:.2f} tokens/round · "
+                f"{run.n_tokens} tokens{state} · {html.escape(gamma_label(run))}")
+        blocks.append(f'<div class="sv-batch-row"><div class="sv-batch-head">{head}</div>{stream_html(run)}</div>')
+    return "".join(blocks)
 
 
 def error_html(message: str) -> str:

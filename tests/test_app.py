@@ -1,5 +1,6 @@
 """The web app through gradio_client, launched in-process on loopback with the offline pair."""
 
+import json
 import re
 import socket
 
@@ -29,9 +30,9 @@ def app_url():
 
 
 def call(client, prompt="The future of AI", preset="offline", gamma=3, temperature=1.0, top_k=0, top_p=1.0, seed=1,
-         max_new_tokens=12, compare=True):
+         max_new_tokens=12, compare=True, drafter="model", gamma_policy="fixed"):
     return client.predict(prompt, preset, "", "", gamma, temperature, top_k, top_p, seed, max_new_tokens, compare,
-                          False, api_name="/run")
+                          False, drafter, gamma_policy, api_name="/run")
 
 
 def stat(stats_html: str, name: str) -> str:
@@ -81,3 +82,37 @@ def test_replay_a_trace_without_models(app_url, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert "not a specviz trace" in client.predict(handle_file(str(bad)), False, api_name="/replay")[0]
+
+
+def test_prompt_lookup_with_adaptive_gamma_shows_gamma_per_round(app_url):
+    import app
+
+    client = Client(app_url, verbose=False)
+    status, spec_html, _, diff, stats, fig_rounds, *_rest, download, _race = call(
+        client, prompt=app.EDIT_EXAMPLES[0], temperature=0.0, max_new_tokens=24, drafter="lookup",
+        gamma_policy="grow-shrink")
+    assert "done: 24 tokens" in status and "Greedy" in diff
+    spec, _ = load_runs(download)
+    assert spec.meta.draft == "prompt lookup" and spec.meta.gamma_policy == "grow-shrink"
+    assert stat(stats, "drafter") == "prompt lookup" and stat(stats, "γ").startswith("γ grow-shrink")
+    gammas = [e.gamma for e in spec.events]
+    assert len(set(gammas)) > 1 and spec.n_accepted > 0  # the copy was found and γ moved
+    figure = json.loads(fig_rounds["plot"])  # gr.Plot sends the Plotly JSON as a string
+    assert next(t["y"] for t in figure["data"] if t["name"] == "γ drafted") == gammas
+
+
+def test_batch_streams_one_row_per_prompt(app_url):
+    import app
+
+    client = Client(app_url, verbose=False)
+    prompts = [app.EXAMPLES[0], app.EDIT_EXAMPLES[3]]
+    status, streams, download = client.predict("\n---\n".join(prompts), "offline", "", "", 3, 0.0, 0, 1.0, 0, 10,
+                                                "lookup", "fixed", api_name="/batch")
+    assert "done: a batch of 2, 20 tokens" in status
+    runs = load_runs(download)
+    assert [r.meta.prompt for r in runs] == prompts and all(r.meta.batch_size == 2 for r in runs)
+    assert streams.count('class="sv-batch-row"') == 2
+    for run in runs:  # the stream shows each row's acceptance as the run recorded it
+        alpha = run.acceptance_rate
+        assert f"α̂ {'–' if alpha is None else f'{alpha:.0%}'}" in streams
+    assert streams.count("sv-tok") >= sum(r.n_tokens for r in runs)  # every kept token is in the page

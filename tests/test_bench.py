@@ -13,14 +13,24 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
     assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     rows = data["rows"]
-    assert len(rows) == 2 and {r["category"] for r in rows} == {"classic", "edit"}
+    # per prompt: the draft model and prompt lookup at γ 3, and each with the 'expected' policy
+    assert len(rows) == 8 and {r["category"] for r in rows} == {"classic", "edit"}
+    assert {(r["drafter"], r["policy"]) for r in rows} == {(d, p) for d in ("model", "lookup")
+                                                           for p in ("fixed", "expected")}
     for r in rows:
-        assert r["gamma"] == 3 and r["temperature"] == 0
-        assert r["baseline_tps"] > 0 and r["specviz_tps"] > 0 and r["hf_assisted_tps"] > 0 and r["hf_lookup_tps"] > 0
+        assert r["temperature"] == 0 and r["baseline_tps"] > 0 and r["specviz_tps"] > 0
         assert r["speedup"] == pytest.approx(r["specviz_tps"] / r["baseline_tps"])
-        assert r["identical_to_baseline"] is not None and r["identical_to_hf"] is not None
+        assert r["identical_to_baseline"] is not None
+        if r["policy"] == "fixed":
+            assert r["gamma"] == 3 and r["mean_gamma"] is None
+            assert (r["hf_assisted_tps"] or 0) > 0 if r["drafter"] == "model" else r["hf_lookup_tps"] > 0
+        else:
+            assert 1 <= r["mean_gamma"] <= 16 and r["bound"] is None
+    assert [(b["drafter"], b["prompts"]) for b in data["batch"]] == [("model", 2), ("lookup", 2)]
+    assert all(b["batch_tps"] > 0 and b["sequential_tps"] > 0 for b in data["batch"])
     assert data["environment"]["dtype"] and data["environment"]["torch"]
     md = (tmp_path / "results.md").read_text()
-    assert "| T | γ | median α" in md and "python -m specviz bench --quick" in md
+    assert "| drafter | T | γ | median α" in md and "python -m specviz bench --quick" in md
+    assert "policy / best fixed" in md and "batch / sequential" in md
     assert (tmp_path / "speedup.html").stat().st_size > 10_000
     assert "median speedup" in capsys.readouterr().out

@@ -59,6 +59,17 @@ def test_page_shows_coloured_tokens_charts_and_hover(app_url):
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOT), full_page=True)
         print(f"Run pressed -> first rendered round: {press_run(page):.2f} s (second run)")
+        page.locator("#status :text('done')").wait_for(timeout=300_000)
+
+        # the batch panel: one stream per prompt, each with its own acceptance
+        page.get_by_text("Batch: several prompts decoded together").click()
+        page.locator("#batch-prompts textarea").fill("The future of AI\n---\nHappy Birthday lyrics")
+        page.locator("#batch-btn").click()
+        page.locator("#batch-status :text('done: a batch of 2')").wait_for(timeout=300_000)
+        rows = page.locator("#batch-streams .sv-batch-row")
+        assert rows.count() == 2
+        for i in range(2):
+            assert "α̂" in rows.nth(i).inner_text() and rows.nth(i).locator(".sv-tok").count() > 0
         browser.close()
 
 

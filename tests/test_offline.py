@@ -50,3 +50,15 @@ def test_cli_compare_prints_tokens_rate_and_speedup(tmp_path):
     assert "greedy text:" in out
     spec, base = load_runs(trace)
     assert spec.meta.mode == "speculative" and base.meta.mode == "baseline" and base.n_tokens == 16
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_offline_batch_rows_equal_single_runs(offline_fp32, drafter):
+    from specviz.batch import generate_batch
+
+    prompts = PROMPTS + ["Correct the spelling: Teh cat sat on teh mat and lookd at the burds."]
+    settings = Settings(gamma=3, drafter=drafter, max_new_tokens=16)
+    batch = generate_batch(offline_fp32, prompts, settings)
+    alone = [generate(offline_fp32, p, settings) for p in prompts]
+    assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
+    assert len({len(r.meta.prompt_ids) for r in batch}) > 1  # rows of different lengths, left-padded

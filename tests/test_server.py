@@ -28,8 +28,9 @@ def free_port() -> int:
 
 
 def args(prompt="The future of AI", preset="offline", target="", draft="", gamma=3, temperature=0.0, top_k=0,
-         top_p=1.0, seed=0, max_new_tokens=6, compare=False):
-    return (prompt, preset, target, draft, gamma, temperature, top_k, top_p, seed, max_new_tokens, compare, False)
+         top_p=1.0, seed=0, max_new_tokens=6, compare=False, drafter="model", gamma_policy="fixed"):
+    return (prompt, preset, target, draft, gamma, temperature, top_k, top_p, seed, max_new_tokens, compare, False,
+            drafter, gamma_policy)
 
 
 def status_of(client: Client, call_args) -> str:
@@ -107,6 +108,8 @@ BATTERY = [
     (dict(top_k="many"), "many"),
     (dict(seed=-5), "seed must be an integer"),
     (dict(seed=1e30), "seed must be an integer"),
+    (dict(drafter="oracle"), "not in the list of choices"),
+    (dict(gamma_policy="sometimes"), "not in the list of choices"),
 ]
 
 
@@ -121,6 +124,18 @@ def test_public_bad_input_battery(public_url):
             assert message in status, (kwargs, status)
         good = status_of(client, args(max_new_tokens=4))
         assert "done: 4 tokens" in good, (kwargs, good)
+
+
+def test_public_batch_limits(public_url):
+    client = Client(public_url, verbose=False)
+    too_many = "\n---\n".join(f"prompt {i}" for i in range(5))
+    batch = ("offline", "", "", 3, 0.0, 0, 1.0, 0, 4, "model", "fixed")
+    for text, message in [(too_many, "at most 4 at once"), ("\n---\n", "no prompts"),
+                          ("ok\n---\n" + "x" * 3000, "at most 2000")]:
+        status = html.unescape(client.predict(text, *batch, api_name="/batch")[0])
+        assert "sv-error" in status and message in status, status
+    status = html.unescape(client.predict("one\n---\ntwo", *batch, api_name="/batch")[0])
+    assert "done: a batch of 2, 8 tokens" in status
 
 
 def test_local_mode_custom_pair_with_mismatched_tokenizers(local_app, pattern_dirs, tmp_path):

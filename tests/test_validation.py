@@ -21,6 +21,9 @@ BAD_SETTINGS = [
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(seed=-1), "seed"),
+    (dict(drafter="oracle"), "drafter"),
+    (dict(gamma_policy="sometimes"), "gamma_policy"),
+    (dict(gamma=8, gamma_max=4), "gamma_max"),
 ]
 
 

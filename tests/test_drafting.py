@@ -1,0 +1,132 @@
+"""Prompt lookup drafting and adaptive γ: both stay lossless, and each does what it claims."""
+
+from collections import Counter
+
+import pytest
+import torch
+from conftest import ARCHS, words
+from test_generator import exact_baseline_distribution, run_both
+
+from specviz.drafters import lookup_continuation
+from specviz.events import ACCEPTED, REJECTED, TARGET, DraftedToken, RoundEvent
+from specviz.generator import Settings, generate, speculative_events
+from specviz.sampling import SamplingParams
+from specviz.schedules import ExpectedSpeedupGamma, GrowShrinkGamma, make_policy
+
+
+def seq(*ids):
+    return torch.tensor(ids)
+
+
+def test_lookup_takes_the_longest_then_latest_match():
+    # "1 2 3" occurs twice before the end; the latest with a full continuation wins
+    assert lookup_continuation(seq(5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3), 4, 3).tolist() == [7, 8, 4, 1]
+    # the 3-gram "4 1 2" matches nowhere but "1 2" does: fall back to n = 2 (the latest is "1 2 -> 3")
+    assert lookup_continuation(seq(1, 2, 3, 6, 4, 1, 2), 2, 3).tolist() == [3, 6]
+    # in a loop, an earlier match offers the whole γ where the latest offers one token
+    assert lookup_continuation(seq(1, 2, 1, 2, 1, 2), 4, 2).tolist() == [1, 2, 1, 2]
+    assert lookup_continuation(seq(1, 2, 3), 4, 3).tolist() == []  # no match: nothing drafted
+    assert lookup_continuation(seq(7), 4, 3).tolist() == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lookup_greedy_equals_baseline(pattern_pair, arch):
+    pair = pattern_pair(arch)
+    # the prompt holds w20..w29 then w20 w21, so the lookup copies w22..w29 ahead, and the copy
+    # is rejected where the prompt went back to w20 (the models count on, more or less well)
+    prompt = words(*range(20, 30), 20, 21)
+    settings = Settings(gamma=4, drafter="lookup", max_new_tokens=15)
+    spec, base = run_both(pair, prompt, settings)
+    assert spec.token_ids == base.token_ids and spec.n_tokens == 15
+    assert spec.meta.draft == "prompt lookup"
+    assert spec.n_accepted >= 1 and spec.n_rejected >= 1
+    assert all(t.q == 1.0 for e in spec.events for t in e.drafted)  # one-hot
+
+
+def test_lookup_without_a_match_is_a_plain_step(pattern_pair):
+    pair = pattern_pair("llama")
+    spec = generate(pair, "", Settings(gamma=4, drafter="lookup", max_new_tokens=3), prompt_ids=words(2, 3, 4))
+    assert [e.gamma for e in spec.events] == [0, 0, 0]  # counting never repeats a word
+    assert all(e.extra.kind == TARGET for e in spec.events)
+
+
+@pytest.mark.slow
+def test_sampled_lookup_matches_baseline_distribution(random_pair):
+    """As the draft-model test in test_generator.py: 20 000 runs, first two tokens, TV < 0.03.
+
+    The prompt ends in a repeat, so every first round drafts (a one-hot q) and is tested.
+    """
+    params = SamplingParams(0.9, top_k=7, top_p=0.95)
+    prompt = words(1, 2, 5, 6, 1, 2)
+    exact = exact_baseline_distribution(random_pair, prompt, params)
+    n, counts, drafted = 20_000, Counter(), 0
+    for seed in range(n):
+        settings = Settings(gamma=2, drafter="lookup", temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=2,
+                            record_top=0, seed=seed)
+        events = list(speculative_events(random_pair, prompt, settings))
+        drafted += events[0].gamma
+        ids = [t for e in events for t in e.new_tokens]
+        counts[tuple(ids[:2])] += 1
+    assert drafted == n  # γ is cut to 1 by the 2-token budget; each first round drafted w5
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)
+    assert tv < 0.03, f"total variation {tv:.4f}"
+
+
+def observe(policy, gamma, n_accepted, draft_ms, verify_ms):
+    e = RoundEvent(index=0, gamma=gamma, drafted=[], extra=None, n_accepted=n_accepted, draft_ms=draft_ms,
+                   verify_ms=verify_ms, target_cache_len=0, draft_cache_len=0, tokens_so_far=0, elapsed_ms=0.0)
+    rejected = n_accepted < gamma
+    e.drafted = [_drafted(ACCEPTED if i < n_accepted else REJECTED if i == n_accepted else "unverified")
+                 for i in range(gamma)]
+    assert e.n_rejected == int(rejected)
+    policy.observe(e)
+
+
+def _drafted(status):
+    return DraftedToken(0, "", 0.5, 0.5, 1.0, None, status)
+
+
+def test_grow_shrink_policy():
+    policy = GrowShrinkGamma(4, gamma_max=7)
+    observe(policy, 4, 4, 1, 10)
+    assert policy.next_gamma() == 6
+    observe(policy, 6, 6, 1, 10)
+    assert policy.next_gamma() == 7  # capped
+    observe(policy, 7, 2, 1, 10)
+    assert policy.next_gamma() == 6
+    for _ in range(10):
+        observe(policy, policy.next_gamma(), 0, 1, 10)
+    assert policy.next_gamma() == 1  # never below one
+
+
+def test_expected_policy_follows_the_measured_alpha_and_costs():
+    # a costly draft (c = 0.5) that is rarely right: draft one token
+    policy = ExpectedSpeedupGamma(4, gamma_max=16)
+    for _ in range(20):
+        observe(policy, 4, 1, draft_ms=4 * 5.0, verify_ms=10.0)
+    assert policy.next_gamma() == 1
+    # a free draft that is almost always right, verify cost rising 1 ms per token from 10 ms:
+    # the best γ is where the extra tokens stop paying for the longer verify pass
+    policy = ExpectedSpeedupGamma(2, gamma_max=16)
+    for g in (2, 4, 8, 2, 4, 8):
+        observe(policy, g, g, draft_ms=0.0, verify_ms=10.0 + (g + 1))
+    for g in range(1, 8):
+        observe(policy, g, g - 1 if g % 5 == 0 else g, draft_ms=0.0, verify_ms=10.0 + (g + 1))
+    best = policy.next_gamma()
+    assert 6 <= best <= 16
+    with pytest.raises(ValueError, match="gamma policy"):
+        make_policy("sometimes", 4, 8)
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+@pytest.mark.parametrize("policy", ["grow-shrink", "expected"])
+def test_adaptive_gamma_stays_lossless_and_varies(pattern_pair, drafter, policy):
+    pair = pattern_pair("qwen3")
+    prompt = words(*range(2, 14), 2, 3)
+    settings = Settings(gamma=2, gamma_policy=policy, gamma_max=8, drafter=drafter, max_new_tokens=30)
+    spec, base = run_both(pair, prompt, settings)
+    assert spec.token_ids == base.token_ids and spec.n_tokens == 30
+    gammas = [e.gamma for e in spec.events]
+    assert len(set(gammas)) > 1 and max(gammas) <= 8, gammas
+    assert spec.meta.gamma_policy == policy and spec.meta.gamma_max == 8
