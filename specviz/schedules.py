@@ -4,11 +4,15 @@
 - "grow-shrink": the heuristic of HF's assistant schedule: +2 after a round whose drafts were
   all accepted, -1 after a rejection, within [1, γ_max].
 - "expected": each round, the γ that maximises the expected speedup of Leviathan et al. 2023
-  (section 3.4) under what this run has measured so far: the acceptance rate α, the draft's
-  time per token, and the verify pass's time as a line in the number of tokens it checks
-  (verifying γ + 1 tokens is not free on a CPU):
-      speedup(γ) = E[tokens | α, γ] / (γ · t_draft + t_verify(γ)),
-      E[tokens | α, γ] = (1 - α^(γ+1)) / (1 - α).
+  (section 3.4) under what this run has measured so far: acceptance, the draft's time per
+  token, and the verify pass's time as a line in the number of tokens it checks (verifying
+  γ + 1 tokens is not free on a CPU):
+      speedup(γ) = E[tokens | γ] / (γ · t_draft + t_verify(γ + 1)).
+  Leviathan's E[tokens] assumes every draft is accepted independently with one rate α. Prompt
+  lookup breaks that: inside a copied span every draft is accepted, outside it the first one
+  fails. So acceptance is measured in two rates, α1 for a round's first draft and α2 for a
+  draft whose predecessor was accepted (a two-state Markov chain; α1 = α2 gives Leviathan's):
+      E[tokens | γ] = 1 + α1 · (1 - α2^γ) / (1 - α2).
   It starts at the given γ and needs no tuning.
 """
 
@@ -58,12 +62,13 @@ class GrowShrinkGamma:
 
 
 class ExpectedSpeedupGamma:
-    """Chooses γ from measured α and costs. Priors (one accepted and one rejected draft; verify
-    cost flat in γ) only matter until the run has a few rounds."""
+    """Chooses γ from measured acceptance and costs. Priors (one accepted and one rejected draft
+    for each rate; verify cost flat in γ) only matter until the run has a few rounds."""
 
     def __init__(self, gamma: int, gamma_max: int):
         self.gamma, self.gamma_max = gamma, gamma_max
-        self.accepted, self.rejected = 1, 1
+        # [accepted, rejected] for a round's first draft, and for drafts after an accepted one
+        self.first, self.later = [1, 1], [1, 1]
         self.drafted, self.draft_ms = 0, 0.0
         # running sums for the verify line: rounds, Σn, Σt, Σn², Σnt (n tokens checked, t ms)
         self.rounds, self.sn, self.st, self.snn, self.snt = 0, 0.0, 0.0, 0.0, 0.0
@@ -71,12 +76,15 @@ class ExpectedSpeedupGamma:
     def next_gamma(self) -> int:
         if not self.rounds or not self.drafted:
             return self.gamma
-        alpha = self.accepted / (self.accepted + self.rejected)
+        alpha1 = self.first[0] / sum(self.first)
+        alpha2 = self.later[0] / sum(self.later)
         t_draft = self.draft_ms / self.drafted
         t0, slope = self._verify_line()
 
         def speedup(g: int) -> float:
-            return expected_tokens_per_round(alpha, g) / (g * t_draft + t0 + slope * (g + 1))
+            # 1 + α1 (1 + α2 + ... + α2^(g-1)): the target's token plus the accepted drafts
+            tokens = 1.0 + alpha1 * expected_tokens_per_round(alpha2, g - 1)
+            return tokens / (g * t_draft + t0 + slope * (g + 1))
 
         self.gamma = max(range(1, self.gamma_max + 1), key=speedup)
         return self.gamma
@@ -89,8 +97,12 @@ class ExpectedSpeedupGamma:
         return max(mean_t - slope * mean_n, 1e-6), slope
 
     def observe(self, event: RoundEvent) -> None:
-        self.accepted += event.n_accepted
-        self.rejected += event.n_rejected
+        accepted, rejected = event.n_accepted, event.n_rejected  # an accepted prefix, then ≤ 1 rejection
+        if accepted:
+            self.first[0] += 1
+            self.later[0] += accepted - 1
+        if rejected:
+            (self.later if accepted else self.first)[1] += 1
         if event.gamma:
             self.drafted += event.gamma
             self.draft_ms += event.draft_ms

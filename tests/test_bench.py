@@ -25,7 +25,8 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
             assert r["gamma"] == 3 and r["mean_gamma"] is None
             assert (r["hf_assisted_tps"] or 0) > 0 if r["drafter"] == "model" else r["hf_lookup_tps"] > 0
         else:
-            assert 1 <= r["mean_gamma"] <= 16 and r["bound"] is None
+            # drafted tokens per round: below 1 where prompt lookup found no match in some rounds
+            assert 0 < r["mean_gamma"] <= 16 and r["bound"] is None
     assert [(b["drafter"], b["prompts"]) for b in data["batch"]] == [("model", 2), ("lookup", 2)]
     assert all(b["batch_tps"] > 0 and b["sequential_tps"] > 0 for b in data["batch"])
     assert data["environment"]["dtype"] and data["environment"]["torch"]

@@ -1,6 +1,7 @@
 """A real browser (Debian's chromium, driven by Playwright) runs the app on the offline pair."""
 
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -27,7 +28,7 @@ def app_url():
 
 
 def test_page_shows_coloured_tokens_charts_and_hover(app_url):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     assert Path(CHROMIUM).exists(), "install Debian's chromium (the README's test command does)"
     with sync_playwright() as pw:
@@ -63,9 +64,14 @@ def test_page_shows_coloured_tokens_charts_and_hover(app_url):
 
         # the batch panel: one stream per prompt, each with its own acceptance
         page.get_by_text("Batch: several prompts decoded together").click()
-        page.locator("#batch-prompts textarea").fill("The future of AI\n---\nHappy Birthday lyrics")
+        batch_prompts = page.locator("#batch-prompts textarea")
+        expect(batch_prompts).to_have_value(re.compile("---"))  # mounted with its example batch
+        batch_prompts.fill("The future of AI\n---\nHappy Birthday lyrics")
+        expect(batch_prompts).to_have_value("The future of AI\n---\nHappy Birthday lyrics")
         page.locator("#batch-btn").click()
-        page.locator("#batch-status :text('done: a batch of 2')").wait_for(timeout=300_000)
+        page.wait_for_function("/done|Error/.test(document.querySelector('#batch-status').innerText)",
+                               timeout=300_000)
+        assert "done: a batch of 2" in page.locator("#batch-status").inner_text()
         rows = page.locator("#batch-streams .sv-batch-row")
         assert rows.count() == 2
         for i in range(2):

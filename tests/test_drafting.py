@@ -1,5 +1,6 @@
 """Prompt lookup drafting and adaptive γ: both stay lossless, and each does what it claims."""
 
+import random
 from collections import Counter
 
 import pytest
@@ -115,6 +116,22 @@ def test_expected_policy_follows_the_measured_alpha_and_costs():
         observe(policy, g, g - 1 if g % 5 == 0 else g, draft_ms=0.0, verify_ms=10.0 + (g + 1))
     best = policy.next_gamma()
     assert 6 <= best <= 16
+
+
+def test_expected_policy_drafts_long_when_acceptance_comes_in_runs():
+    # Half the drafts accepted either way, verify cost rising 1 ms a token from 10 ms, free draft.
+    # Independent acceptance: a long γ only buys 1 + 0.5 + 0.25 + ... tokens, so stay short.
+    # Copied spans (prompt lookup): a round is all accepted or fails on its first draft, so every
+    # extra draft pays half a token for a tenth of a step: draft long.
+    coin = random.Random(0)
+    independent, in_runs = ExpectedSpeedupGamma(4, gamma_max=16), ExpectedSpeedupGamma(4, gamma_max=16)
+    for i in range(200):
+        g = 2 + i % 7
+        n_accepted = next((k for k in range(g) if coin.random() < 0.5), g)
+        observe(independent, g, n_accepted, draft_ms=0.0, verify_ms=10.0 + (g + 1))
+        observe(in_runs, g, g if i % 2 else 0, draft_ms=0.0, verify_ms=10.0 + (g + 1))
+    assert independent.next_gamma() <= 3
+    assert in_runs.next_gamma() == 16
     with pytest.raises(ValueError, match="gamma policy"):
         make_policy("sometimes", 4, 8)
 
