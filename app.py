@@ -17,7 +17,7 @@ from pathlib import Path
 import gradio as gr
 
 from specviz import charts
-from specviz.batch import batch_events
+from specviz.batch import batch_events, batch_runs
 from specviz.events import Run, load_runs, save_runs
 from specviz.generator import MAX_GAMMA, Settings, baseline_events, check_fits, make_meta, speculative_events
 from specviz.generator import validate_prompt as check_prompt
@@ -272,9 +272,7 @@ def run_batch(prompts_text, preset, custom_target, custom_draft, gamma, temperat
         yield error_html(f"Error: {err}"), "", gr.skip()
         return
 
-    runs = [Run(make_meta(pair, "speculative", p, ids, settings)) for p, ids in zip(prompts, prompts_ids, strict=True)]
-    for run in runs:
-        run.meta.batch_size = len(runs)
+    runs = batch_runs(pair, prompts, prompts_ids, settings)
     SERVED["runs"] += 1
     stopped = ""
     for index, round_events in enumerate(batch_events(pair, prompts_ids, settings, runs)):

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .drafters import Proposal, lookup_proposal
+from .drafters import PromptLookupDrafter, Proposal
 from .events import RoundEvent, Run
 from .generator import (
     Settings,
@@ -27,6 +27,8 @@ from .generator import (
     _seeded_generator,
     _sync,
     check_fits,
+    finish_reason,
+    kept_drafts,
     make_meta,
     validate_prompt,
 )
@@ -58,6 +60,12 @@ class MaskedCache:
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
                          past_key_values=self.cache, use_cache=True)
         return at_least_float32(out.logits[:, :, :vocab_size])
+
+    def prefill(self, prompts: list[list[int]], pad_id: int, vocab_size: int) -> None:
+        """Each prompt but its last token, right-aligned (a one-token prompt adds only a hole)."""
+        ids, real = _left_padded([p[:-1] or [pad_id] for p in prompts], pad_id, self.mask.device)
+        real &= torch.tensor([len(p) > 1 for p in prompts], device=self.mask.device)[:, None]
+        self.forward(ids, real, vocab_size)
 
     def make_holes(self, row: int, start: int, stop: int) -> None:
         """Slots [start, stop) of a row no longer hold tokens of its sequence."""
@@ -91,20 +99,18 @@ def _left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple
 
 
 class BatchLookupDrafter:
-    """Prompt lookup for each row (drafters.PromptLookupDrafter, one row at a time: no model)."""
+    """Prompt lookup for each row, one row at a time (it has no model and no state)."""
 
-    name = "prompt lookup"
-
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
-        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+    def __init__(self, vocab_size: int):
+        self.lookup = PromptLookupDrafter(vocab_size)
 
     def start(self, prompts: list[list[int]]) -> None:
         pass
 
     def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
-        return [lookup_proposal(seq, gamma, self.vocab_size, self.max_ngram, self.min_ngram)
-                for seq, gamma in zip(seqs, gammas, strict=True)]
+        return [self.lookup.propose(seq[None], gamma, params, generator)
+                for seq, gamma, generator in zip(seqs, gammas, generators, strict=True)]
 
     def verified(self, n_accepted: list[int]) -> None:
         pass
@@ -131,11 +137,8 @@ class BatchDraftModelDrafter:
         self._draft_slots: list[list[int]] = []  # per row: the slots of d_1..d_{γ-1} this round
 
     def start(self, prompts: list[list[int]]) -> None:
-        device = self.model.device
-        self.cache = MaskedCache(self.model, len(prompts), device)
-        ids, real = _left_padded([p[:-1] or [self.pad_id] for p in prompts], self.pad_id, device)
-        real &= torch.tensor([len(p) > 1 for p in prompts], device=device)[:, None]
-        self.cache.forward(ids, real, self.vocab_size)
+        self.cache = MaskedCache(self.model, len(prompts), self.model.device)
+        self.cache.prefill(prompts, self.pad_id, self.vocab_size)
 
     def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
@@ -202,7 +205,7 @@ def batch_events(
         raise ValueError(f"a batch holds 1 to {MAX_BATCH} prompts, got {len(prompts_ids)}")
     params, device, V = settings.sampling, pair.device, pair.vocab_size
     text = TokenTexts(pair.tokenizer)
-    n_rows = len(prompts_ids)
+    pad_id, n_rows = _pad_id(pair), len(prompts_ids)
     generators = [_seeded_generator(device, settings.seed) for _ in range(n_rows)]  # each row as if alone
     policies = [make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max) for _ in range(n_rows)]
     seqs = [torch.tensor(p, device=device) for p in prompts_ids]
@@ -211,9 +214,7 @@ def batch_events(
 
     start = time.perf_counter()
     target = MaskedCache(pair.target, n_rows, device)  # holds each row's sequence but its last token
-    ids, real = _left_padded([p[:-1] or [_pad_id(pair)] for p in prompts_ids], _pad_id(pair), device)
-    real &= torch.tensor([len(p) > 1 for p in prompts_ids], device=device)[:, None]
-    target.forward(ids, real, V)
+    target.prefill(prompts_ids, pad_id, V)
     drafter = make_batch_drafter(pair, settings)
     drafter.start(prompts_ids)
     _sync(device)
@@ -231,7 +232,7 @@ def batch_events(
         drafted = [p.tokens.shape[0] for p in proposals]  # g_i <= γ_i
         width = max(drafted) + 1
         verify_rows = [[int(seqs[r][-1])] + p.tokens.tolist() for r, p in zip(active, proposals, strict=True)]
-        verify_ids = torch.tensor([v + [_pad_id(pair)] * (width - len(v)) for v in verify_rows], device=device)
+        verify_ids = torch.tensor([v + [pad_id] * (width - len(v)) for v in verify_rows], device=device)
         verify_real = torch.tensor([[j < len(v) for j in range(width)] for v in verify_rows], device=device)
         base = target.width
         p_logits = target.forward(verify_ids, verify_real, V)  # [B, g_max+1, V]
@@ -242,11 +243,8 @@ def batch_events(
 
         out, n_kept, finished = [], [], []
         for i, (r, g, prop, verdict) in enumerate(zip(active, drafted, proposals, verdicts, strict=True)):
-            n = verdict.n_accepted
             drafted_ids = prop.tokens.tolist()
-            stop_at = next((j for j in range(n) if drafted_ids[j] in pair.eos_token_ids), None)
-            if stop_at is not None:
-                n = stop_at + 1
+            n, stop_at = kept_drafts(verdict.n_accepted, drafted_ids, pair.eos_token_ids)
             target.make_holes(i, base + 1 + n, base + width)  # keep x_last and the n kept drafts
             n_kept.append(n)
             tokens, extra = _round_tokens(prop, p_logits[i, : g + 1], p_all[i, : g + 1], verdict, n, stop_at,
@@ -260,10 +258,7 @@ def batch_events(
                 tokens_so_far=generated[r], elapsed_ms=0.0,
             )
             indices[r] += 1
-            if any(t in pair.eos_token_ids for t in new):
-                event.finish_reason = "eos"
-            elif generated[r] >= settings.max_new_tokens:
-                event.finish_reason = "length"
+            event.finish_reason = finish_reason(new, generated[r], settings.max_new_tokens, pair.eos_token_ids)
             if event.finish_reason:
                 finished.append(i)
             policies[r].observe(event)
@@ -285,6 +280,12 @@ def batch_events(
         yield out
 
 
+def batch_runs(pair: ModelPair, prompts: list[str], prompts_ids: list[list[int]], settings: Settings) -> list[Run]:
+    """One empty Run per row, for batch_events to fill."""
+    return [Run(replace(make_meta(pair, "speculative", prompt, ids, settings), batch_size=len(prompts_ids)))
+            for prompt, ids in zip(prompts, prompts_ids, strict=True)]
+
+
 def generate_batch(pair: ModelPair, prompts: list[str], settings: Settings, chat_template: bool = True,
                    prompts_ids: list[list[int]] | None = None) -> list[Run]:
     """Run a batch to the end: one Run per prompt, in order."""
@@ -295,8 +296,7 @@ def generate_batch(pair: ModelPair, prompts: list[str], settings: Settings, chat
         prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template) for p in prompts]
     for ids in prompts_ids:
         check_fits(pair, ids, settings)
-    runs = [Run(replace(make_meta(pair, "speculative", prompt, ids, settings), batch_size=len(prompts_ids)))
-            for prompt, ids in zip(prompts, prompts_ids, strict=True)]
+    runs = batch_runs(pair, prompts, prompts_ids, settings)
     for round_events in batch_events(pair, prompts_ids, settings, runs):
         for row, event in round_events:
             runs[row].events.append(event)

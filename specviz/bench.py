@@ -116,7 +116,7 @@ def _spec_row(pair, category, prompt, prompt_ids, base: Run, settings: Settings,
                    tps_spread=(max(tps) - min(tps)) / median(tps), drafter=settings.drafter,
                    policy=settings.gamma_policy)
     if settings.gamma_policy != "fixed":
-        row.mean_gamma = spec.n_drafted / len(spec.events)
+        row.mean_gamma = spec.mean_gamma
     if settings.temperature == 0:
         row.identical_to_baseline = spec.token_ids == base.token_ids
     return row, spec.token_ids

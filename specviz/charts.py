@@ -103,9 +103,8 @@ def speedup_curve(spec: Run | None, baseline: Run | None = None, max_gamma: int 
         shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": 1, "y1": 1,
                        "line": {"dash": "dot", "color": COLOURS["baseline"]}})
         if baseline and baseline.tokens_per_s and spec.tokens_per_s:
-            mean_gamma = spec.n_drafted / len(spec.events)  # γ itself unless it adapted
             traces.append({"type": "scatter", "mode": "markers", "name": "measured (this run)",
-                           "x": [round(mean_gamma, 2)], "y": [spec.tokens_per_s / baseline.tokens_per_s],
+                           "x": [round(spec.mean_gamma, 2)], "y": [spec.tokens_per_s / baseline.tokens_per_s],
                            "marker": {"size": 12, "color": COLOURS["speculative"]}})
     return _figure(traces, "Speedup: measured against the Leviathan bound", "γ (tokens drafted per round)",
                    "speedup over the baseline", "speedup", shapes=shapes)

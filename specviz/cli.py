@@ -257,9 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         summary_by_setting,
         write_results,
     )
-    from .generator import DRAFTERS
     from .prompts import BENCHMARK_PROMPTS
-    from .schedules import POLICIES
 
     prompts = BENCHMARK_PROMPTS
     gammas, lookup_gammas = _csv(args.gammas, int), _csv(args.lookup_gammas, int)

@@ -138,18 +138,14 @@ class PromptLookupDrafter:
     def propose(
         self, ids: torch.Tensor, gamma: int, params: SamplingParams, generator: torch.Generator
     ) -> Proposal:
-        return lookup_proposal(ids[0], gamma, self.vocab_size, self.max_ngram, self.min_ngram)
+        seq = ids[0]  # [L]
+        tokens = lookup_continuation(seq, gamma, self.max_ngram, self.min_ngram) if gamma else seq[:0]  # [g]
+        q = torch.zeros(tokens.shape[0], self.vocab_size, device=seq.device)  # [g, V], one-hot: q(d) = 1
+        q[torch.arange(tokens.shape[0], device=seq.device), tokens] = 1.0
+        return Proposal(tokens, q)
 
     def verified(self, n_accepted: int) -> None:
         pass
-
-
-def lookup_proposal(seq: torch.Tensor, gamma: int, vocab_size: int, max_ngram: int, min_ngram: int) -> Proposal:
-    """The lookup's continuation of seq [L] with its one-hot q [g, V] (g <= γ, maybe 0)."""
-    tokens = lookup_continuation(seq, gamma, max_ngram, min_ngram) if gamma else seq[:0]
-    q = torch.zeros(tokens.shape[0], vocab_size, device=seq.device)
-    q[torch.arange(tokens.shape[0], device=seq.device), tokens] = 1.0  # q(d) = 1
-    return Proposal(tokens, q)
 
 
 def lookup_continuation(seq: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int = 1) -> torch.Tensor:

@@ -138,6 +138,11 @@ class Run:
         return sum(e.gamma for e in self.events)
 
     @property
+    def mean_gamma(self) -> float:
+        """Tokens drafted per round: γ itself unless a policy adapted it or lookup found less."""
+        return self.n_drafted / len(self.events) if self.events else float(self.meta.gamma)
+
+    @property
     def acceptance_rate(self) -> float | None:
         """α̂ = accepted / (accepted + rejected): the per-token acceptance of Leviathan's formula.
 

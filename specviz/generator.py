@@ -239,11 +239,9 @@ def speculative_events(
             proposal, p_logits, p, verdict, draft_s, verify_s = speculative_round(
                 pair.target, target_cache, drafter, ids, gamma, params, V, generator
             )
-            n, gamma = verdict.n_accepted, proposal.tokens.shape[0]  # the drafter may propose fewer
+            gamma = proposal.tokens.shape[0]  # the drafter may propose fewer
             drafted_ids = proposal.tokens.tolist()
-            stop_at = next((i for i in range(n) if drafted_ids[i] in pair.eos_token_ids), None)
-            if stop_at is not None:  # an accepted EOS inside the draft ends the text there
-                n = stop_at + 1
+            n, stop_at = kept_drafts(verdict.n_accepted, drafted_ids, pair.eos_token_ids)
             # Roll back: the target cache holds L + γ, keep the new sequence minus its last token.
             target_cache.crop(-(gamma - n) if stop_at is None else -(gamma - n + 1))
             drafter.verified(n)
@@ -263,14 +261,24 @@ def speculative_events(
         event.target_cache_len = target_cache.get_seq_length()
         event.tokens_so_far = generated
         event.elapsed_ms = 1000 * (time.perf_counter() - start)
-        if any(t in pair.eos_token_ids for t in new):
-            event.finish_reason = "eos"
-        elif generated >= settings.max_new_tokens:
-            event.finish_reason = "length"
+        event.finish_reason = finish_reason(new, generated, settings.max_new_tokens, pair.eos_token_ids)
         policy.observe(event)
         yield event
         if event.finish_reason:
             return
+
+
+def kept_drafts(n_accepted: int, drafted_ids: list[int], eos_ids) -> tuple[int, int | None]:
+    """(drafts kept, index of an accepted EOS or None): an accepted EOS ends the text there."""
+    stop_at = next((i for i in range(n_accepted) if drafted_ids[i] in eos_ids), None)
+    return (n_accepted if stop_at is None else stop_at + 1), stop_at
+
+
+def finish_reason(new: list[int], generated: int, max_new_tokens: int, eos_ids) -> str | None:
+    """'eos' if this round's new tokens hold an EOS, 'length' at the budget, else None."""
+    if any(t in eos_ids for t in new):
+        return "eos"
+    return "length" if generated >= max_new_tokens else None
 
 
 def make_drafter(pair: ModelPair, settings: Settings) -> Drafter:
@@ -357,10 +365,7 @@ def baseline_events(
         event.target_cache_len = target_cache.get_seq_length()
         event.tokens_so_far = index + 1
         event.elapsed_ms = 1000 * (time.perf_counter() - start)
-        if new[0] in pair.eos_token_ids:
-            event.finish_reason = "eos"
-        elif index + 1 == settings.max_new_tokens:
-            event.finish_reason = "length"
+        event.finish_reason = finish_reason(new, index + 1, settings.max_new_tokens, pair.eos_token_ids)
         yield event
         if event.finish_reason:
             return

@@ -60,7 +60,7 @@ def gamma_label(run: Run) -> str:
     if run.meta.gamma_policy == "fixed":
         return f"γ = {run.meta.gamma}"
     gammas = [e.gamma for e in run.events] or [run.meta.gamma]
-    return (f"γ {run.meta.gamma_policy}: mean {sum(gammas) / len(gammas):.1f}, from {min(gammas)} to {max(gammas)}, "
+    return (f"γ {run.meta.gamma_policy}: mean {run.mean_gamma:.1f}, from {min(gammas)} to {max(gammas)}, "
             f"cap {run.meta.gamma_max}")
 
 
