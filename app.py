@@ -7,6 +7,8 @@ The UI consumes events from the specviz library and never touches tensors.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import tempfile
 import threading
@@ -17,11 +19,10 @@ from pathlib import Path
 import gradio as gr
 
 from specviz import charts
-from specviz.batch import batch_events, batch_runs
-from specviz.events import Run, load_runs, save_runs
-from specviz.generator import MAX_GAMMA, Settings, baseline_events, check_fits, make_meta, speculative_events
+from specviz.events import Run, load_runs
+from specviz.generator import MAX_GAMMA, Settings, compile_by_default, generate
 from specviz.generator import validate_prompt as check_prompt
-from specviz.models import PRESETS, ModelPair, encode_prompt, load_pair
+from specviz.models import PRESETS, ModelPair, load_pair
 from specviz.rendering import (
     CSS,
     batch_html,
@@ -34,6 +35,7 @@ from specviz.rendering import (
     stats_html,
     stream_html,
 )
+from specviz.stream import BatchRound, Finished, RoundDone, stream, stream_batch
 
 CUSTOM = "custom (enter ids below)"
 EXAMPLES = [
@@ -57,6 +59,8 @@ EDIT_EXAMPLES = [
 DRAFTER_CHOICES = [("draft model", "model"), ("prompt lookup (copies from the prompt, no model)", "lookup")]
 POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on a rejection)", "grow-shrink"),
                   ("expected speedup (from measured α and costs)", "expected")]
+CACHE_CHOICES = [("static (pre-allocated; rollback moves a length)", "static"),
+                 ("dynamic (transformers' DynamicCache)", "dynamic"), ("none (recompute everything)", "none")]
 QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", "16"))
 # Public mode (on in the Docker image): presets only, and caps on what one request may ask for.
 PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", "no")
@@ -79,7 +83,6 @@ except ImportError:
 
 
 TRACE_DIR = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
-KEEP_TRACES = 64  # newest downloadable traces kept on disk
 
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 _pairs: dict[tuple[str, str], ModelPair] = {}
@@ -145,7 +148,7 @@ class View:
 
 def greedy_diff(spec: Run | None, base: Run | None) -> int | None:
     """Where greedy texts part (None if identical, sampled, or no baseline)."""
-    if spec and base and spec.meta.temperature == 0:
+    if spec and base and spec.meta.sampling.greedy:
         return first_difference(spec.token_ids, base.token_ids)
     return None
 
@@ -178,13 +181,14 @@ def check_request(prompt: str, settings: Settings) -> None:
         raise ValueError(f"gamma must be at most {MAX_GAMMA_UI} here, got {settings.gamma}")
 
 
-def make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens) -> Settings:
+def make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens,
+                  cache="static", compiled=False) -> Settings:
     """Settings from the page's controls; ValueError with the control's name if one is off."""
     gamma = _int(gamma, "gamma")
     return Settings(gamma=gamma, gamma_policy=str(gamma_policy), gamma_max=max(gamma, GAMMA_MAX_ADAPTIVE),
                     drafter=str(drafter), temperature=_float(temperature, "temperature"), top_k=_int(top_k, "top_k"),
                     top_p=_float(top_p, "top_p"), seed=_int(seed, "seed"),
-                    max_new_tokens=_int(max_new_tokens, "max_new_tokens"))
+                    max_new_tokens=_int(max_new_tokens, "max_new_tokens"), cache=str(cache), compile=bool(compiled))
 
 
 def split_batch(text: str) -> list[str]:
@@ -202,103 +206,84 @@ def split_batch(text: str) -> list[str]:
 
 @on_gpu
 def run_generation(prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
-                   max_new_tokens, compare, show_rounds, drafter="model", gamma_policy="fixed"):
-    """Run speculative decoding (then the baseline, if asked), yielding the page once per round."""
+                   max_new_tokens, compare, show_rounds, drafter="model", gamma_policy="fixed", cache="static",
+                   compiled=False):
+    """Speculative decoding (then the baseline, if asked): the page once per round."""
     view = View(show_rounds=bool(show_rounds))
-    started = time.perf_counter()
     try:
         if not isinstance(prompt, str):
             raise ValueError("the prompt must be text")
-        settings = make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens)
+        settings = make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens, cache,
+                                 compiled)
         check_request(prompt, settings)
         view.status = note_html("loading models…")
         yield view.outputs(final=False)
         pair = get_pair(preset, custom_target or "", custom_draft or "")
-        prompt_ids = encode_prompt(pair.tokenizer, prompt)
-        check_fits(pair, prompt_ids, settings)
+        updates = stream(pair, prompt, settings, compare=bool(compare), time_limit_s=TIME_LIMIT_S,
+                         trace_dir=TRACE_DIR)
+        first = next(updates)  # the request is checked against the pair before anything is shown
     except (ValueError, OSError, RuntimeError) as err:
         view.status = error_html(f"Error: {err}")
         yield view.outputs()
         return
 
     note = f"Draft note: {pair.draft_note}. " if pair.draft_note and settings.drafter == "model" else ""
-    view.spec = Run(make_meta(pair, "speculative", prompt, prompt_ids, settings))
     SERVED["runs"] += 1
-    for event in speculative_events(pair, prompt_ids, settings, view.spec.meta):
-        SERVED["rounds"] += 1
-        view.spec.events.append(event)
-        view.status = note_html(f"{note}speculative: round {event.index + 1}, {event.tokens_so_far} tokens")
-        yield view.outputs(final=False)
-        if TIME_LIMIT_S and time.perf_counter() - started > TIME_LIMIT_S:
-            note += f"Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s). "
-            compare = False
-            break
-    view.spec.text = pair.tokenizer.decode(view.spec.token_ids, skip_special_tokens=True)
-
-    if compare:  # after the speculative run, never beside it, so that neither slows the other
-        view.base = Run(make_meta(pair, "baseline", prompt, prompt_ids, settings))
-        for event in baseline_events(pair, prompt_ids, settings, view.base.meta):
-            view.base.events.append(event)
-            if event.index % 8 == 0 or event.finish_reason:
-                view.status = note_html(f"{note}baseline: {event.tokens_so_far} tokens")
+    for update in itertools.chain([first], updates):
+        if isinstance(update, RoundDone):
+            event, speculative = update.event, update.run.meta.mode == "speculative"
+            if speculative:
+                SERVED["rounds"] += 1
+                view.spec = update.run
+            else:
+                view.base = update.run
+            if speculative or event.index % 8 == 0 or event.finish_reason:  # the baseline: every 8 tokens
+                what = f"round {event.index + 1}, " if speculative else ""
+                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens")
                 yield view.outputs(final=False)
-        view.base.text = pair.tokenizer.decode(view.base.token_ids, skip_special_tokens=True)
-
-    path = save_trace([r for r in (view.spec, view.base) if r])
-    view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.")
-    yield view.outputs(download=str(path), race=race_html(view.spec, view.base) if view.base else "")
+        elif isinstance(update, Finished):
+            stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
+            view.spec, view.base = update.spec, update.base
+            view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.{stopped}")
+            yield view.outputs(download=str(update.trace), race=race_html(view.spec, view.base) if view.base else "")
 
 
 @on_gpu
 def run_batch(prompts_text, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
-              max_new_tokens, drafter="model", gamma_policy="fixed"):
-    """Decode several prompts as one batch, yielding (status, streams, download) once per round."""
-    started = time.perf_counter()
+              max_new_tokens, drafter="model", gamma_policy="fixed", cache="static", compiled=False):
+    """Several prompts decoded as one batch: (status, streams, download) once per round."""
     try:
         prompts = split_batch(prompts_text if isinstance(prompts_text, str) else "")
         if not prompts:
             raise ValueError(f"no prompts: write one or more, separated by lines holding only {BATCH_SEPARATOR}")
         if len(prompts) > MAX_BATCH_UI:
             raise ValueError(f"{len(prompts)} prompts; this server decodes at most {MAX_BATCH_UI} at once")
-        settings = make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens)
+        settings = make_settings(gamma, gamma_policy, drafter, temperature, top_k, top_p, seed, max_new_tokens, cache,
+                                 compiled)
         for prompt in prompts:
             check_request(prompt, settings)
         yield note_html("loading models…"), "", gr.skip()
         pair = get_pair(preset, custom_target or "", custom_draft or "")
-        prompts_ids = [encode_prompt(pair.tokenizer, p) for p in prompts]
-        for ids in prompts_ids:
-            check_fits(pair, ids, settings)
+        updates = stream_batch(pair, prompts, settings, time_limit_s=TIME_LIMIT_S, trace_dir=TRACE_DIR)
+        first = next(updates)
     except (ValueError, OSError, RuntimeError) as err:
         yield error_html(f"Error: {err}"), "", gr.skip()
         return
 
-    runs = batch_runs(pair, prompts, prompts_ids, settings)
     SERVED["runs"] += 1
-    stopped = ""
-    for index, round_events in enumerate(batch_events(pair, prompts_ids, settings, runs)):
-        SERVED["rounds"] += 1
-        for row, event in round_events:
-            runs[row].events.append(event)
-        yield note_html(f"batch of {len(runs)}: round {index + 1}"), batch_html(runs), gr.skip()
-        if TIME_LIMIT_S and time.perf_counter() - started > TIME_LIMIT_S:
-            stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)."
-            break
-    for run in runs:
-        run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
-    path = save_trace(runs)
-    tokens = sum(r.n_tokens for r in runs)
-    seconds = max(r.decode_ms for r in runs) / 1000
-    yield (note_html(f"done: a batch of {len(runs)}, {tokens} tokens in {seconds:.2f} s "
-                     f"({tokens / seconds:.1f} tokens/s over all rows).{stopped}"), batch_html(runs), str(path))
-
-
-def save_trace(runs: list[Run]) -> Path:
-    """Write runs where the download button can serve them; keep only the newest traces."""
-    path = TRACE_DIR / f"specviz-run-{time.time_ns()}.json"
-    save_runs(path, runs)
-    for old in sorted(TRACE_DIR.glob("specviz-run-*.json"))[:-KEEP_TRACES]:
-        old.unlink(missing_ok=True)
-    return path
+    for update in itertools.chain([first], updates):
+        if isinstance(update, BatchRound):
+            SERVED["rounds"] += 1
+            status = note_html(f"batch of {len(update.runs)}: round {update.index + 1}")
+            yield status, batch_html(update.runs), gr.skip()
+        elif isinstance(update, Finished):
+            runs = update.runs
+            tokens = sum(r.n_tokens for r in runs)
+            seconds = max(r.decode_ms for r in runs) / 1000
+            stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
+            yield (note_html(f"done: a batch of {len(runs)}, {tokens} tokens in {seconds:.2f} s "
+                             f"({tokens / seconds:.1f} tokens/s over all rows).{stopped}"), batch_html(runs),
+                   str(update.trace))
 
 
 def _int(value, name: str) -> int:
@@ -371,6 +356,12 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
             drafter = gr.Dropdown(DRAFTER_CHOICES, value="model", label="Drafter", elem_id="drafter")
             gamma_policy = gr.Dropdown(POLICY_CHOICES, value="fixed", label="γ policy", elem_id="gamma-policy",
                                        info=f"adaptive policies start at γ and draft at most {GAMMA_MAX_ADAPTIVE}")
+            with gr.Accordion("Advanced", open=False):
+                cache = gr.Radio(CACHE_CHOICES, value="static", label="KV cache (both models)", elem_id="cache-kind",
+                                 info="'none' recomputes the whole text at every forward pass: what a KV cache buys")
+                compiled = gr.Checkbox(compile_by_default(), label="compiled forwards (torch.compile)",
+                                       elem_id="compile", info="static cache, Llama-family models; each new shape "
+                                       "compiles for a minute or more at start")
     with gr.Row():
         gamma = gr.Slider(1, MAX_GAMMA_UI, value=4, step=1, label="γ (draft tokens per round)")
         temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
@@ -424,11 +415,11 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     OUTPUTS = [status, spec_html, base_html, diff_box, stats, fig_rounds, fig_time, fig_position, fig_speedup,
                runs_state, token_pick, download, race_box]
     INPUTS = [prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed, max_new_tokens,
-              compare, show_rounds, drafter, gamma_policy]
+              compare, show_rounds, drafter, gamma_policy, cache, compiled]
     run_event = run_btn.click(run_generation, INPUTS, OUTPUTS, api_name="run", concurrency_limit=1,
                               concurrency_id="device", show_progress="hidden")
     BATCH_INPUTS = [batch_prompts, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed,
-                    max_new_tokens, drafter, gamma_policy]
+                    max_new_tokens, drafter, gamma_policy, cache, compiled]
     batch_event = batch_btn.click(run_batch, BATCH_INPUTS, [batch_status, batch_box, batch_download],
                                   api_name="batch", concurrency_limit=1, concurrency_id="device",
                                   show_progress="hidden")
@@ -448,14 +439,17 @@ def launch(**kwargs):
 
 
 def warm_up() -> None:
-    """Load (on first use, convert) the default pair and run it once, so the first visitor's
-    first round does not pay for loading or for the kernels' first calls."""
+    """Load (on first use, convert) the default pair and run it once, speculative and baseline, so
+    the first visitor's first round pays neither for loading nor for the kernels' first calls (nor,
+    with SPECVIZ_COMPILE=1, for compiling the default settings' forwards)."""
     pair = get_pair("offline", "", "")
-    for _ in speculative_events(pair, encode_prompt(pair.tokenizer, EXAMPLES[0]), Settings(max_new_tokens=4)):
-        pass
+    settings = Settings(max_new_tokens=Settings.gamma + 2, record_top=0)  # one full round at the default γ
+    for mode in ("speculative", "baseline"):
+        generate(pair, EXAMPLES[0], settings, mode=mode)
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on the console
     warm_up()
     launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

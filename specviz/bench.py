@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from statistics import median
 
@@ -46,6 +47,69 @@ def render_cost(pair: ModelPair, prompt: str, prompt_ids: list[int], settings: S
             "rounds": len(run.events), "tokens": run.n_tokens}
 
 
+# --- forward passes: what one step costs, and what verifying k tokens costs ---------------------
+
+
+@dataclass
+class StepRow:
+    model: str  # "target" | "draft"
+    cache: str  # "static, compiled" for the compiled forward
+    ms: dict[int, float]  # tokens per forward -> ms, median over repeats
+
+    def ratio(self, k: int) -> float:
+        """A k-token forward in one-token forwards (what verifying k - 1 drafts costs in steps)."""
+        return self.ms[k] / self.ms[1]
+
+
+def step_times(pair: ModelPair, prompt_ids: list[int], caches: list[str], widths: tuple[int, ...] = (1, 5),
+               repeats: int = 30, compile: bool = False) -> list[StepRow]:
+    """ms per forward of k new tokens over a cached prompt, for each model and cache kind (and, with
+    compile, the static cache's compiled forward beside its eager one).
+
+    Each timed forward is rolled back (a verify pass whose drafts are all rejected), so every
+    repeat runs at the same length; kinds and widths alternate within each repeat."""
+    import torch
+
+    from .kvcache import KVState
+
+    states = {}  # (model, cache label) -> state; with compile, the static cache both eager and compiled
+    for model_name, model in (("target", pair.target), ("draft", pair.draft)):
+        for cache in caches:
+            for compiled in (False, True) if compile and cache == "static" else (False,):
+                state = KVState(model, 1, cache, pair.vocab_size, len(prompt_ids) + max(widths) + 1, compiled)
+                with torch.inference_mode():
+                    state.prefill([prompt_ids], 0)
+                states[model_name, cache + (", compiled" if compiled else "")] = state
+    times: dict[tuple[str, str, int], list[float]] = {}
+    with torch.inference_mode():
+        for rep in range(repeats + 2):  # the first two warm up (and compile)
+            for (model_name, cache), state in states.items():
+                for k in widths:
+                    ids = torch.tensor([prompt_ids[-k:]], device=pair.device)
+                    start = time.perf_counter()
+                    state.forward(ids, torch.ones_like(ids, dtype=torch.bool))
+                    if pair.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = 1000 * (time.perf_counter() - start)
+                    state.make_holes(0, state.width - k, state.width)
+                    state.trim()
+                    if rep >= 2:
+                        times.setdefault((model_name, cache, k), []).append(elapsed)
+    return [StepRow(model_name, cache, {k: median(times[model_name, cache, k]) for k in widths})
+            for model_name, cache in states]
+
+
+def step_table(rows: list[StepRow]) -> str:
+    widths = sorted(rows[0].ms)
+    lines = ["| model | cache | " + " | ".join(f"ms, {k} token{'s' if k > 1 else ''}" for k in widths)
+             + " | " + " | ".join(f"{k} tokens / 1" for k in widths[1:]) + " |",
+             "|---|---|" + "---|" * (2 * len(widths) - 1)]
+    for r in rows:
+        lines.append(f"| {r.model} | {r.cache} | " + " | ".join(f"{r.ms[k]:.1f}" for k in widths) + " | "
+                     + " | ".join(f"{r.ratio(k):.2f}" for k in widths[1:]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # --- the speedup benchmark: specviz against the baseline, Hugging Face and the theory ------------
 
 
@@ -55,22 +119,26 @@ class BenchRow:
     prompt: str
     temperature: float
     gamma: int  # fixed γ, or the first round's under an adaptive policy
-    alpha: float | None  # acceptance rate α̂ (median over repeats)
+    alpha: float | None  # acceptance rate α̂ (median run)
     tokens_per_round: float
     c: float | None  # draft step / target step, measured
-    baseline_tps: float  # tokens/s, median over repeats
+    baseline_tps: float  # specviz's plain target, tokens/s, median over repeats
     specviz_tps: float
-    speedup: float
+    speedup: float  # median over repeats of specviz / baseline, each pair timed back to back
     bound: float | None  # Leviathan's bound for the measured α and c
     efficiency: float | None  # speedup / bound
+    hf_plain_tps: float | None = None  # Hugging Face `generate` with the target alone
+    speedup_vs_best: float | None = None  # median of specviz / max(baseline, HF plain) within each repeat
     hf_assisted_tps: float | None = None
     hf_lookup_tps: float | None = None
+    specviz_over_hf: float | None = None  # median of specviz / HF assisted (or HF lookup) within each repeat
     tps_spread: float = 0.0  # (max - min) / median of specviz tokens/s over repeats
     identical_to_baseline: bool | None = None  # greedy only
     identical_to_hf: bool | None = None  # greedy only
     drafter: str = "model"  # "model" | "lookup"
     policy: str = "fixed"  # γ policy (schedules.py)
     mean_gamma: float | None = None  # drafted tokens per round, for adaptive policies
+    cache: str = "static"
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -82,7 +150,7 @@ def _hf_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings, **k
     import torch
 
     ids = torch.tensor([prompt_ids], device=pair.device)
-    sampling = dict(do_sample=False) if settings.temperature == 0 else dict(
+    sampling = dict(do_sample=False) if settings.sampling.greedy else dict(
         do_sample=True, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)  # 0: off
     torch.manual_seed(settings.seed)
     start = time.perf_counter()
@@ -94,84 +162,118 @@ def _hf_generate(pair: ModelPair, prompt_ids: list[int], settings: Settings, **k
     return len(new) / seconds, new
 
 
-def _spec_row(pair, category, prompt, prompt_ids, base: Run, settings: Settings,
-              repeats: int) -> tuple[BenchRow, list[int]]:
-    """specviz with these settings against the baseline run, and its median run's ids.
+@contextmanager
+def _assistant_drafts(draft, gamma: int):
+    """HF's assisted generation drafting exactly γ tokens a round, like specviz. HF copies the
+    assistant's generation_config when it starts, so it is set only for the call and restored."""
+    config = draft.generation_config
+    saved = {k: getattr(config, k) for k in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                                             "assistant_confidence_threshold")}
+    config.num_assistant_tokens, config.num_assistant_tokens_schedule = gamma, "constant"
+    config.assistant_confidence_threshold = 0.0
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(config, k, v)
 
-    HF figures are added by the caller."""
-    from .generator import generate
+
+def _hf_counterpart(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> tuple[float, list[int]] | None:
+    """HF assisted generation (draft model) or HF prompt lookup at the same γ; None for adaptive γ."""
+    if settings.gamma_policy != "fixed":
+        return None
+    if settings.drafter == "lookup":
+        return _hf_generate(pair, prompt_ids, settings, prompt_lookup_num_tokens=settings.gamma)
+    with _assistant_drafts(pair.draft, settings.gamma):
+        return _hf_generate(pair, prompt_ids, settings, assistant_model=pair.draft)
+
+
+def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], bases: list[Run],
+              hf_plain: list[tuple[float, list[int]]], hf: list[tuple[float, list[int]]]) -> BenchRow:
+    """One setting against the baseline; repeat i of each list was timed in the same block."""
     from .theory import cost_ratio, speedup_bound
 
-    specs = [generate(pair, prompt, settings, prompt_ids=prompt_ids) for _ in range(repeats)]
-    spec = _median_run(specs)
+    spec, base = _median_run(specs), _median_run(bases)
     tps = [r.tokens_per_s for r in specs]
     c = cost_ratio(spec, base)
     alpha = spec.acceptance_rate
     # The bound assumes i.i.d. acceptance at a fixed γ from a draft model: not lookup, not adaptive γ.
     bounded = settings.drafter == "model" and settings.gamma_policy == "fixed"
     bound = speedup_bound(alpha, settings.gamma, c) if bounded and alpha is not None and c is not None else None
-    speedup = spec.tokens_per_s / base.tokens_per_s
+    speedup = median(s.tokens_per_s / b.tokens_per_s for s, b in zip(specs, bases, strict=True))
     row = BenchRow(category, prompt, settings.temperature, settings.gamma, alpha, spec.tokens_per_round, c,
-                   base.tokens_per_s, spec.tokens_per_s, speedup, bound, speedup / bound if bound else None,
-                   tps_spread=(max(tps) - min(tps)) / median(tps), drafter=settings.drafter,
-                   policy=settings.gamma_policy)
+                   median(r.tokens_per_s for r in bases), median(tps), speedup, bound,
+                   speedup / bound if bound else None, tps_spread=(max(tps) - min(tps)) / median(tps),
+                   drafter=settings.drafter, policy=settings.gamma_policy, cache=settings.cache)
+    if hf_plain:
+        row.hf_plain_tps = median(t for t, _ in hf_plain)
+        row.speedup_vs_best = median(s.tokens_per_s / max(b.tokens_per_s, h)
+                                     for s, b, (h, _) in zip(specs, bases, hf_plain, strict=True))
+    if hf:
+        hf_tps = median(t for t, _ in hf)
+        if settings.drafter == "lookup":
+            row.hf_lookup_tps = hf_tps
+        else:
+            row.hf_assisted_tps = hf_tps
+        row.specviz_over_hf = median(s.tokens_per_s / h for s, (h, _) in zip(specs, hf, strict=True))
     if settings.gamma_policy != "fixed":
         row.mean_gamma = spec.mean_gamma
-    if settings.temperature == 0:
+    if settings.sampling.greedy:
         row.identical_to_baseline = spec.token_ids == base.token_ids
-    return row, spec.token_ids
+        if hf:
+            row.identical_to_hf = hf[0][1] == spec.token_ids
+    return row
 
 
 def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int], temperatures: list[float],
                max_new_tokens: int, repeats: int, with_hf: bool = True, progress=print,
                drafters: tuple[str, ...] = ("model", "lookup"), lookup_gammas: list[int] | None = None,
-               policies: tuple[str, ...] = ("grow-shrink", "expected")) -> list[BenchRow]:
-    """Per prompt and temperature: the baseline, then each drafter over its γ sweep (with HF's
-    assisted generation or prompt lookup at the same γ), then each adaptive policy (defaults,
-    no tuning)."""
+               policies: tuple[str, ...] = ("grow-shrink", "expected"), cache: str = "static",
+               compile: bool = False) -> list[BenchRow]:
+    """Per prompt and temperature, `repeats` blocks, each timing back to back: HF plain `generate`,
+    specviz's baseline, then every setting (each drafter over its γ sweep with HF's assisted
+    generation or prompt lookup at the same γ, then each adaptive policy with its defaults).
+    This VM's speed drifts by tens of percent between runs, so ratios are taken within a block
+    and their median reported."""
     from .generator import generate
     from .models import encode_prompt
 
     lookup_gammas = lookup_gammas or gammas
-    if with_hf:  # HF drafts exactly γ tokens a round, like specviz
-        pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
-        pair.draft.generation_config.assistant_confidence_threshold = 0.0
-    rows = []
     first = next(iter(prompts.values()))[0]
-    for drafter in drafters:  # warm-up: first calls of every kernel and path
-        generate(pair, first, Settings(gamma=max(gammas), max_new_tokens=8, record_top=0, drafter=drafter))
-    generate(pair, first, Settings(max_new_tokens=8, record_top=0), mode="baseline")
+    for drafter in drafters:  # warm-up: first calls of every kernel and path (and every compiled width)
+        for gamma in gammas if drafter == "model" else lookup_gammas:
+            generate(pair, first, Settings(gamma=gamma, max_new_tokens=gamma + 4, record_top=0, drafter=drafter,
+                                           cache=cache, compile=compile))
+    generate(pair, first, Settings(max_new_tokens=8, record_top=0, cache=cache, compile=compile), mode="baseline")
+    rows = []
     for category, texts in prompts.items():
         for prompt in texts:
             prompt_ids = encode_prompt(pair.tokenizer, prompt)
             for temperature in temperatures:
-                base_settings = Settings(gamma=1, temperature=temperature, max_new_tokens=max_new_tokens, record_top=0)
-                bases = [generate(pair, prompt, base_settings, mode="baseline", prompt_ids=prompt_ids)
-                         for _ in range(repeats)]
-                base = _median_run(bases)
-                for drafter in drafters:
-                    for gamma in gammas if drafter == "model" else lookup_gammas:
-                        settings = replace(base_settings, gamma=gamma, drafter=drafter)
-                        row, ids = _spec_row(pair, category, prompt, prompt_ids, base, settings, repeats)
-                        if with_hf and drafter == "model":
-                            pair.draft.generation_config.num_assistant_tokens = gamma
-                            hf = [_hf_generate(pair, prompt_ids, settings, assistant_model=pair.draft)
-                                  for _ in range(repeats)]
-                            row.hf_assisted_tps = median(t for t, _ in hf)
-                            if temperature == 0:
-                                row.identical_to_hf = hf[0][1] == ids
-                        if with_hf and drafter == "lookup":
-                            lookup = [_hf_generate(pair, prompt_ids, settings, prompt_lookup_num_tokens=gamma)
-                                      for _ in range(repeats)]
-                            row.hf_lookup_tps = median(t for t, _ in lookup)
-                        rows.append(row)
-                        progress(f"{category} T={temperature:g} {drafter} γ={gamma}: α={_fmt(row.alpha)} "
-                                 f"speedup {row.speedup:.2f}x")
-                    for policy in policies:
-                        settings = replace(base_settings, gamma=Settings.gamma, gamma_policy=policy, drafter=drafter)
-                        rows.append(_spec_row(pair, category, prompt, prompt_ids, base, settings, repeats)[0])
-                        progress(f"{category} T={temperature:g} {drafter} γ {policy}: "
-                                 f"mean γ {rows[-1].mean_gamma:.1f}, speedup {rows[-1].speedup:.2f}x")
+                base_settings = Settings(gamma=1, temperature=temperature, max_new_tokens=max_new_tokens,
+                                         record_top=0, cache=cache, compile=compile)
+                settings_list = [replace(base_settings, gamma=g, drafter=d) for d in drafters
+                                 for g in (gammas if d == "model" else lookup_gammas)]
+                settings_list += [replace(base_settings, gamma=Settings.gamma, gamma_policy=p, drafter=d)
+                                  for d in drafters for p in policies]
+                bases, hf_plain = [], []
+                specs: list[list[Run]] = [[] for _ in settings_list]
+                hfs: list[list] = [[] for _ in settings_list]
+                for _ in range(repeats):
+                    if with_hf:
+                        hf_plain.append(_hf_generate(pair, prompt_ids, base_settings))
+                    bases.append(generate(pair, prompt, base_settings, mode="baseline", prompt_ids=prompt_ids))
+                    for i, settings in enumerate(settings_list):
+                        specs[i].append(generate(pair, prompt, settings, prompt_ids=prompt_ids))
+                        hf = _hf_counterpart(pair, prompt_ids, settings) if with_hf else None
+                        if hf is not None:
+                            hfs[i].append(hf)
+                for settings, spec_runs, hf in zip(settings_list, specs, hfs, strict=True):
+                    rows.append(_spec_row(category, prompt, settings, spec_runs, bases, hf_plain, hf))
+                    label = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_policy
+                    progress(f"{category} T={temperature:g} {settings.drafter} γ={label}: α={_fmt(rows[-1].alpha)} "
+                             f"speedup {rows[-1].speedup:.2f}x, vs the faster baseline "
+                             f"{_fmt(rows[-1].speedup_vs_best)}x")
     return rows
 
 
@@ -191,13 +293,13 @@ class BatchRow:
 
 
 def bench_batch(pair: ModelPair, prompts: list[str], drafter: str, gamma: int, max_new_tokens: int,
-                repeats: int) -> BatchRow:
+                repeats: int, cache: str = "static", compile: bool = False) -> BatchRow:
     """Greedy: a batch of prompts against the same prompts run one after another, alternating."""
-    from .batch import generate_batch
-    from .generator import generate
+    from .generator import generate, generate_batch
     from .models import encode_prompt
 
-    settings = Settings(gamma=gamma, drafter=drafter, max_new_tokens=max_new_tokens, record_top=0)
+    settings = Settings(gamma=gamma, drafter=drafter, max_new_tokens=max_new_tokens, record_top=0, cache=cache,
+                        compile=compile)
     ids = [encode_prompt(pair.tokenizer, p) for p in prompts]
     generate_batch(pair, prompts, replace(settings, max_new_tokens=8), prompts_ids=ids)  # warm-up
     batch_tps, seq_tps = [], []
@@ -218,19 +320,20 @@ def _gamma_label(r: BenchRow) -> str:
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
-    head = ("| category | prompt | T | drafter | γ | α | tokens/round | c | baseline tok/s | specviz tok/s | speedup "
-            "| bound | efficiency | HF assisted tok/s | specviz / HF | HF lookup tok/s | greedy text = baseline |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| category | prompt | T | drafter | γ | α | tokens/round | c | baseline tok/s | HF plain tok/s "
+            "| specviz tok/s | speedup | vs faster baseline | bound | efficiency | HF assisted tok/s "
+            "| HF lookup tok/s | specviz / HF | greedy text = baseline |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
-        hf = r.hf_assisted_tps or r.hf_lookup_tps
-        ratio = r.specviz_tps / hf if hf else None
         same = "–" if r.identical_to_baseline is None else ("yes" if r.identical_to_baseline else "no")
         prompt = r.prompt.replace("\n", " ").replace("|", "\\|")[:40]
         body += (f"| {r.category} | {prompt} | {r.temperature:g} | {r.drafter} | {_gamma_label(r)} | {_fmt(r.alpha)} | "
-                 f"{r.tokens_per_round:.2f} | {_fmt(r.c, '{:.3f}')} | {r.baseline_tps:.1f} | {r.specviz_tps:.1f} | "
-                 f"{r.speedup:.2f}x | {_fmt(r.bound)} | {_fmt(r.efficiency)} | {_fmt(r.hf_assisted_tps, '{:.1f}')} | "
-                 f"{_fmt(ratio)} | {_fmt(r.hf_lookup_tps, '{:.1f}')} | {same} |\n")
+                 f"{r.tokens_per_round:.2f} | {_fmt(r.c, '{:.3f}')} | {r.baseline_tps:.1f} | "
+                 f"{_fmt(r.hf_plain_tps, '{:.1f}')} | {r.specviz_tps:.1f} | {r.speedup:.2f}x | "
+                 f"{_fmt(r.speedup_vs_best)}x | {_fmt(r.bound)} | {_fmt(r.efficiency)} | "
+                 f"{_fmt(r.hf_assisted_tps, '{:.1f}')} | {_fmt(r.hf_lookup_tps, '{:.1f}')} | "
+                 f"{_fmt(r.specviz_over_hf)} | {same} |\n")
     return head + body
 
 
@@ -242,18 +345,34 @@ def _median(values) -> float | None:
 def summary_by_setting(rows: list[BenchRow]) -> str:
     """Median over prompts for each (drafter, temperature, γ or policy). specviz / HF compares
     with HF assisted generation (draft model) or HF prompt lookup (lookup) at the same γ."""
-    lines = ["| drafter | T | γ | median α | median tokens/round | median c | median speedup | median bound "
-             "| median efficiency | median specviz / HF |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| drafter | T | γ | median α | median tokens/round | median c | median speedup "
+             "| median vs faster baseline | median bound | median efficiency | median specviz / HF |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r.drafter, r.temperature, r.policy != "fixed", r.policy, r.gamma) for r in rows})
     for drafter, t, _, policy, g in keys:
         sel = [r for r in rows if (r.drafter, r.temperature, r.policy, r.gamma) == (drafter, t, policy, g)]
         label = str(g) if policy == "fixed" else f"{policy} (mean {_median(r.mean_gamma for r in sel):.1f})"
-        hf = _median(r.specviz_tps / (r.hf_assisted_tps or r.hf_lookup_tps) for r in sel
-                     if r.hf_assisted_tps or r.hf_lookup_tps)
         lines.append(f"| {drafter} | {t:g} | {label} | {_fmt(_median(r.alpha for r in sel))} | "
                      f"{_fmt(_median(r.tokens_per_round for r in sel))} | {_fmt(_median(r.c for r in sel))} | "
-                     f"{_fmt(_median(r.speedup for r in sel))}x | {_fmt(_median(r.bound for r in sel))} | "
-                     f"{_fmt(_median(r.efficiency for r in sel))} | {_fmt(hf)} |")
+                     f"{_fmt(_median(r.speedup for r in sel))}x | {_fmt(_median(r.speedup_vs_best for r in sel))}x | "
+                     f"{_fmt(_median(r.bound for r in sel))} | {_fmt(_median(r.efficiency for r in sel))} | "
+                     f"{_fmt(_median(r.specviz_over_hf for r in sel))} |")
+    return "\n".join(lines) + "\n"
+
+
+def baseline_summary(rows: list[BenchRow]) -> str:
+    """specviz's plain target against HF plain `generate`, per temperature (median over prompts)."""
+    lines = ["| T | median baseline tok/s | median HF plain tok/s | median baseline / HF plain |", "|---|---|---|---|"]
+    for t in sorted({r.temperature for r in rows}):
+        firsts = {}
+        for r in rows:  # every row of a prompt shares its baseline: take one per prompt
+            if r.temperature == t and r.hf_plain_tps:
+                firsts.setdefault(r.prompt, r)
+        if firsts:
+            sel = list(firsts.values())
+            lines.append(f"| {t:g} | {_median(r.baseline_tps for r in sel):.1f} | "
+                         f"{_median(r.hf_plain_tps for r in sel):.1f} | "
+                         f"{_median(r.baseline_tps / r.hf_plain_tps for r in sel):.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -348,7 +467,7 @@ def environment(pair: ModelPair) -> dict:
 
 
 def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
-                  batch_rows: list[BatchRow] = ()) -> dict[str, str]:
+                  batch_rows: list[BatchRow] = (), steps: list[StepRow] = ()) -> dict[str, str]:
     """results.json, results.md and speedup.html (+ speedup.png when chromium and playwright are here)."""
     import json
     from dataclasses import asdict
@@ -358,11 +477,15 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "html": out / "speedup.html"}
     paths["json"].write_text(json.dumps({"environment": env, "command": command, "rows": [asdict(r) for r in rows],
-                                         "batch": [asdict(b) for b in batch_rows]},
+                                         "batch": [asdict(b) for b in batch_rows],
+                                         "steps": [asdict(r) for r in steps]},
                                         indent=2), encoding="utf-8")
     env_line = ", ".join(f"{k} {v}" for k, v in env.items())
     paths["md"].write_text(
-        f"`{command}`\n\n{env_line}\n\n### By setting\n\n{summary_by_setting(rows)}\n"
+        f"`{command}`\n\n{env_line}\n\n"
+        + (f"### Forward passes\n\n{step_table(steps)}\n" if steps else "")
+        + f"### By setting\n\n{summary_by_setting(rows)}\n"
+        f"### specviz's baseline against Hugging Face `generate`\n\n{baseline_summary(rows)}\n"
         f"### Adaptive γ against the best fixed γ\n\n{adaptive_summary(rows)}\n"
         f"### By prompt category (greedy)\n\n{category_summary(rows)}\n"
         + (f"### Batch against one after another (greedy)\n\n{batch_table(batch_rows)}\n" if batch_rows else "")

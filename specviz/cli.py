@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 import time
 from dataclasses import replace
 
-from .batch import MAX_BATCH
-from .events import Run, save_runs
+from .events import save_runs
 from .generator import (
     DRAFTERS,
+    MAX_BATCH,
     MAX_GAMMA,
     MAX_NEW_TOKENS,
     Settings,
-    baseline_events,
     check_fits,
+    compile_by_default,
     generate,
-    make_meta,
-    speculative_events,
     validate_prompt,
 )
+from .kvcache import CACHE_KINDS
 from .models import PRESETS, encode_prompt, load_pair
 from .rendering import batch_summary, first_difference, legend, round_text, run_text, summary
 from .schedules import POLICIES
+from .stream import Finished, RoundDone, stream
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -50,25 +51,22 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--compare", action="store_true", help="also run the plain target and report the speedup")
     g.add_argument("--trace", metavar="OUT.json", help="save the run(s) as JSON for replay")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--cache", choices=list(CACHE_KINDS), default="static",
+                   help="KV cache of both models: static (pre-allocated, rollback moves a length; default), "
+                        "dynamic (transformers' DynamicCache), none (recompute the whole sequence every forward)")
+    g.add_argument("--compile", action="store_true", default=compile_by_default(),
+                   help="torch.compile the static cache's forward (Llama-family models; graphs cached on disk; "
+                        "the first run compiles for a minute or more). Default: on if SPECVIZ_COMPILE=1")
     g.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     g.add_argument("--color", choices=["auto", "always", "never"], default="auto")
-
-
-def _stream(events, run: Run, colour: bool, out) -> Run:
-    for event in events:
-        run.events.append(event)
-        out.write(round_text(event, colour))
-        out.flush()
-    out.write("\n")
-    return run
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     settings = Settings(
         gamma=args.gamma, gamma_policy=args.gamma_policy, gamma_max=max(args.gamma_max, args.gamma),
         drafter=args.drafter, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, max_new_tokens=args.max_new_tokens,
+        seed=args.seed, max_new_tokens=args.max_new_tokens, cache=args.cache, compile=args.compile,
     )
     settings.validate()
     for prompt in args.prompt:
@@ -91,27 +89,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt, prompt_ids = args.prompt[0], prompts_ids[0]
 
     if args.compare:  # warm both paths up so that neither pays first-call costs in the timing
-        warm = replace(settings, max_new_tokens=min(8, settings.max_new_tokens), record_top=0)
-        for _ in speculative_events(pair, prompt_ids, warm):
-            pass
-        for _ in baseline_events(pair, prompt_ids, warm):
+        for _ in stream(pair, prompt, replace(settings, max_new_tokens=min(8, settings.max_new_tokens), record_top=0),
+                        compare=True, prompt_ids=prompt_ids):
             pass
 
     print(_pair_line(pair, settings), file=out)
     if pair.draft_note and settings.drafter == "model":
         print(f"note: {pair.draft_note}", file=out)
     print(f"legend: {legend(colour)}\n", file=out)
-    spec = Run(make_meta(pair, "speculative", prompt, prompt_ids, settings))
-    _stream(speculative_events(pair, prompt_ids, settings, spec.meta), spec, colour, out)
-    spec.text = pair.tokenizer.decode(spec.token_ids, skip_special_tokens=True)
-    print("\n" + summary(spec), file=out)
-    runs = [spec]
-
-    if args.compare:
-        base = Run(make_meta(pair, "baseline", prompt, prompt_ids, settings))
-        base.events.extend(baseline_events(pair, prompt_ids, settings, base.meta))
-        base.text = pair.tokenizer.decode(base.token_ids, skip_special_tokens=True)
-        runs.append(base)
+    for update in stream(pair, prompt, settings, compare=args.compare, prompt_ids=prompt_ids):
+        if isinstance(update, RoundDone) and update.run.meta.mode == "speculative":
+            out.write(round_text(update.event, colour))
+            out.flush()
+        elif isinstance(update, Finished):
+            runs, spec, base = update.runs, update.spec, update.base
+    print("\n\n" + summary(spec), file=out)
+    if base is not None:
         print(summary(base), file=out)
         speedup = spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else float("nan")
         print(f"speedup: {speedup:.2f}x (speculative over baseline tokens/s, same prompt and seed)", file=out)
@@ -138,7 +131,7 @@ def _pair_line(pair, settings: Settings) -> str:
 
 def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings, colour: bool, out) -> int:
     """Decode the prompts as one batch; print each row's rounds, then the batch's throughput."""
-    from .batch import generate_batch
+    from .generator import generate_batch
 
     print(f"{_pair_line(pair, settings)}, a batch of {len(prompts_ids)}", file=out)
     print(f"legend: {legend(colour)}\n", file=out)
@@ -239,8 +232,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation and prompt lookup")
     b.add_argument("--quick", action="store_true",
                    help="smoke test: 2 prompts, γ 3, greedy, 24 tokens, 1 repeat, 'expected' policy, batch of 2")
+    b.add_argument("--cache", choices=list(CACHE_KINDS), default="static", help="KV cache kind of the runs")
+    b.add_argument("--compile", action="store_true", default=compile_by_default(),
+                   help="compiled forwards for specviz's runs and the step timings (as generate --compile)")
+    b.add_argument("--step-caches", default="static,dynamic",
+                   help="cache kinds whose forward-pass cost is timed ('' to skip)")
     b.add_argument("--out", default="bench-results")
     b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
 
 
 def _csv(text: str, kind=str) -> list:
@@ -250,10 +249,13 @@ def _csv(text: str, kind=str) -> list:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import (
         adaptive_summary,
+        baseline_summary,
         bench_batch,
         bench_pair,
         best_gamma,
         environment,
+        step_table,
+        step_times,
         summary_by_setting,
         write_results,
     )
@@ -274,24 +276,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for p in policies:
         if p not in POLICIES or p == "fixed":
             raise ValueError(f"--policies: {p!r} is not one of grow-shrink, expected")
+    step_caches = _csv(args.step_caches)
+    for c in step_caches:
+        if c not in CACHE_KINDS:
+            raise ValueError(f"--step-caches: {c!r} is not one of {', '.join(CACHE_KINDS)}")
     for g in gammas + lookup_gammas:
-        Settings(gamma=g, max_new_tokens=max_new).validate()
-    pair = load_pair(preset=args.preset, device=args.device, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        Settings(gamma=g, max_new_tokens=max_new, cache=args.cache).validate()
+    pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
+    steps = []
+    if step_caches:
+        first = encode_prompt(pair.tokenizer, next(iter(prompts.values()))[0])
+        steps = step_times(pair, first, step_caches, repeats=5 if args.quick else 30, compile=args.compile)
+        print(step_table(steps), file=sys.stderr)
     rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
                       progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
-                      lookup_gammas=lookup_gammas, policies=tuple(policies))
-    command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
-    write_results(rows, environment(pair), args.out, command)  # kept even if the batch part fails
+                      lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache, compile=args.compile)
+    write_results(rows, environment(pair), args.out, command, steps=steps)  # kept even if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...
         columns = [texts for texts in BENCHMARK_PROMPTS.values()]
         batch_prompts = [c[i] for i in range(max(map(len, columns))) for c in columns if i < len(c)][:batch]
         for drafter in drafters:
             batch_rows.append(bench_batch(pair, batch_prompts, drafter, best_gamma(rows, drafter) or 2, max_new,
-                                          repeats))
+                                          repeats, args.cache, args.compile))
             print(f"batch of {batch}, {drafter}: {batch_rows[-1].ratio:.2f}x one after another", file=sys.stderr)
-    paths = write_results(rows, environment(pair), args.out, command, batch_rows)
+    paths = write_results(rows, environment(pair), args.out, command, batch_rows, steps)
     print(summary_by_setting(rows))
+    print(baseline_summary(rows))
     print(adaptive_summary(rows))
     print("wrote " + ", ".join(paths.values()))
     return 0
@@ -306,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on stderr
     args.argv = argv
     commands = {"generate": cmd_generate, "bench-render": cmd_bench_render, "distill": cmd_distill,
                 "bench": cmd_bench}

@@ -12,9 +12,12 @@ used. In greedy mode the rule compares argmaxes, so `p` and `q` are the models' 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .sampling import SamplingParams
 
 TRACE_FORMAT = "specviz-trace/1"
 
@@ -66,11 +69,13 @@ class RoundEvent:
     gamma: int  # tokens drafted this round (0 for a baseline step)
     drafted: list[DraftedToken]
     extra: ExtraToken | None  # None when the round ended on an accepted EOS
+    # drafted tokens kept in the text; an accepted EOS ends the text, so drafts after it are not
+    # counted even where the rule accepted them (they show as "unverified")
     n_accepted: int
-    draft_ms: float
-    verify_ms: float
+    draft_ms: float  # in a batch: this row's share (the batch's time over the rows in it)
+    verify_ms: float  # likewise
     target_cache_len: int  # after rollback
-    draft_cache_len: int  # after rollback (0 for the baseline)
+    draft_cache_len: int  # after rollback (0 for the baseline and for drafters without a model)
     tokens_so_far: int  # generated tokens, this round's included
     elapsed_ms: float  # since the run started, prefill included
     finish_reason: str | None = None  # "eos" | "length" on the last round
@@ -105,9 +110,16 @@ class RunMeta:
     draft_note: str = ""  # a caveat about the draft, shown wherever the pair shows
     gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected"
     gamma_max: int = 0  # the policy's cap (0 when fixed)
-    batch_size: int = 1  # prompts decoded together (batch.py); this run is one row
-    prefill_ms: float = 0.0
+    batch_size: int = 1  # prompts decoded together; this run is one row
+    prefill_ms: float = 0.0  # in a batch: this row's share
+    cache: str = ""  # KV cache kind: "static" | "dynamic" | "none" ("" in traces from before it was recorded)
+    compiled: bool = False  # compiled forwards were asked for
     versions: dict[str, str] = field(default_factory=dict)
+
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass
@@ -217,3 +229,14 @@ def save_runs(path: str | Path, runs: list[Run]) -> None:
 
 def load_runs(path: str | Path) -> list[Run]:
     return runs_from_json(Path(path).read_text(encoding="utf-8"))
+
+
+def save_trace(folder: str | Path, runs: list[Run], keep: int = 64) -> Path:
+    """Save runs as a new trace file in a folder, keeping only the `keep` newest there."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"specviz-run-{time.time_ns()}.json"
+    save_runs(path, runs)
+    for old in sorted(folder.glob("specviz-run-*.json"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return path

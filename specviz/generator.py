@@ -1,25 +1,27 @@
-"""Speculative decoding, one round at a time, and the plain autoregressive baseline.
+"""Speculative decoding, one round at a time, for one prompt or a batch, and the plain baseline.
 
 Leviathan et al. 2023, Algorithm 1, with a KV cache on both sides. Each round:
   1. the drafter proposes d_1..d_γ with q_1..q_γ             (drafters.py)
   2. one target forward over [x_last, d_1..d_γ] gives p_1..p_{γ+1}
   3. the acceptance rule keeps n of them and adds a correction or a bonus token (sampling.py)
-  4. both caches are cropped back to the kept prefix.
-Both generators are Python generators of `RoundEvent`s (events.py), so a consumer can render
-each round as it happens, and stop (cancel) between rounds by closing the generator.
+  4. both KV states roll back to the kept prefix                (kvcache.py)
+One code path serves everything: a single prompt is a batch of one, and the baseline is the
+same loop with a drafter that drafts nothing (each round one plain target step). `decode` is a
+Python generator of rounds, so a consumer renders each round as it happens and cancels between
+rounds by closing it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import transformers
-from transformers import DynamicCache
 
-from .drafters import Drafter, DraftModelDrafter, PromptLookupDrafter, model_logits
+from .drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
 from .events import (
     ACCEPTED,
     BONUS,
@@ -34,14 +36,21 @@ from .events import (
     RunMeta,
     TopToken,
 )
+from .kvcache import CACHE_KINDS, KVState
 from .models import ModelPair, encode_prompt
-from .sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution, sample
+from .sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution
 from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
 MAX_NEW_TOKENS = 4096
 MAX_SEED = 2**63 - 1
+MAX_BATCH = 16
 DRAFTERS = ("model", "lookup")  # the pair's draft model, or prompt lookup (n-gram copying)
+
+
+def compile_by_default() -> bool:
+    """SPECVIZ_COMPILE=1 turns compiled forwards on wherever Settings are made without saying."""
+    return os.environ.get("SPECVIZ_COMPILE", "").lower() not in ("", "0", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,8 @@ class Settings:
     seed: int = 0
     max_new_tokens: int = 64
     record_top: int = 8  # candidates per drafted position kept for the inspector (0: none)
+    cache: str = "static"  # "static" | "dynamic" | "none" (kvcache.py), for both models
+    compile: bool = field(default_factory=compile_by_default)  # torch.compile the static cache's forward
 
     @property
     def sampling(self) -> SamplingParams:
@@ -83,6 +94,10 @@ class Settings:
             )
         if not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+        if self.cache not in CACHE_KINDS:
+            raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {self.cache!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
         if not is_int(self.record_top) or self.record_top < 0:
             raise ValueError(f"record_top must be an integer >= 0, got {self.record_top!r}")
         self.sampling.validate()
@@ -139,50 +154,23 @@ def _top_tokens(p_row, q_row, residual_row, drafted_id, k, text) -> list[TopToke
     ]
 
 
-def speculative_round(
-    target,
-    target_cache: DynamicCache,
-    drafter: Drafter,
-    ids: torch.Tensor,
-    gamma: int,
-    params: SamplingParams,
-    vocab_size: int,
-    generator: torch.Generator,
-):
-    """One round. ids: [1, L], the sequence so far; the target cache holds ids[:, :-1].
-
-    Returns (proposal, p_logits [g+1, V], p [g+1, V], verdict, draft_s, verify_s), where g <= γ
-    is what the drafter proposed (g = 0: a plain target step). The target cache then holds
-    L + g entries; the caller crops it once it knows where the run stops.
-    """
-    device = ids.device
-    t0 = time.perf_counter()
-    proposal = drafter.propose(ids, gamma, params, generator)  # d: [γ], q: [γ, V]
-    _sync(device)
-    t1 = time.perf_counter()
-    verify_ids = torch.cat([ids[:, -1:], proposal.tokens.view(1, -1)], dim=1)  # [1, g+1]
-    p_logits = model_logits(target, verify_ids, target_cache, vocab_size)  # [g+1, V]
-    p = logits_to_probs(p_logits, params)  # p_i = p(. | x, d_<i), i = 1..g+1
-    verdict = accept_or_resample(p, proposal.q, proposal.tokens, generator, greedy=params.greedy)
-    t2 = time.perf_counter()
-    return proposal, p_logits, p, verdict, t1 - t0, t2 - t1
-
-
 def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], settings: Settings) -> RunMeta:
+def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], settings: Settings,
+              batch_size: int = 1) -> RunMeta:
+    speculative = mode == "speculative"
+    draft = (pair.draft_name if settings.drafter == "model" else PromptLookupDrafter.name) if speculative else None
     return RunMeta(
         mode=mode,
         target=pair.target_name,
-        draft=(pair.draft_name if settings.drafter == "model" else PromptLookupDrafter.name)
-        if mode == "speculative" else None,
+        draft=draft,
         dtype=str(pair.dtype).removeprefix("torch."),
         device=str(pair.device),
-        gamma=settings.gamma if mode == "speculative" else 0,
-        gamma_policy=settings.gamma_policy if mode == "speculative" else "fixed",
-        gamma_max=settings.gamma_max if mode == "speculative" and settings.gamma_policy != "fixed" else 0,
+        gamma=settings.gamma if speculative else 0,
+        gamma_policy=settings.gamma_policy if speculative else "fixed",
+        gamma_max=settings.gamma_max if speculative and settings.gamma_policy != "fixed" else 0,
         temperature=settings.temperature,
         top_k=settings.top_k,
         top_p=settings.top_p,
@@ -191,81 +179,12 @@ def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], se
         prompt=prompt,
         prompt_ids=list(prompt_ids),
         vocab_size=pair.vocab_size,
-        draft_note=pair.draft_note if mode == "speculative" and settings.drafter == "model" else "",
+        draft_note=pair.draft_note if speculative and settings.drafter == "model" else "",
+        batch_size=batch_size,
+        cache=settings.cache,
+        compiled=settings.compile,
         versions=_versions(),
     )
-
-
-@torch.inference_mode()
-def speculative_events(
-    pair: ModelPair,
-    prompt_ids: list[int],
-    settings: Settings,
-    meta: RunMeta | None = None,
-    drafter: Drafter | None = None,
-    target_cache: DynamicCache | None = None,
-) -> Iterator[RoundEvent]:
-    """Yield one RoundEvent per round until EOS or max_new_tokens. Fills meta.prefill_ms.
-
-    drafter and target_cache default to new ones; pass your own to look at them between rounds.
-    """
-    settings.validate()
-    params, device, V = settings.sampling, pair.device, pair.vocab_size
-    text = TokenTexts(pair.tokenizer)
-    drafter = drafter or make_drafter(pair, settings)
-    policy = make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max)
-    generator = _seeded_generator(device, settings.seed)
-    ids = torch.tensor([prompt_ids], device=device)  # [1, L]
-
-    start = time.perf_counter()
-    if target_cache is None:
-        target_cache = DynamicCache(config=pair.target.config)
-    if ids.shape[1] > 1:  # the target cache always holds all but the last token
-        model_logits(pair.target, ids[:, :-1], target_cache, V, last_only=True)
-    drafter.start(ids)
-    _sync(device)
-    if meta is not None:
-        meta.prefill_ms = 1000 * (time.perf_counter() - start)
-
-    generated, index = 0, 0
-    while generated < settings.max_new_tokens:
-        remaining = settings.max_new_tokens - generated
-        # Never draft past the budget: n kept + 1 added <= remaining.
-        gamma = min(policy.next_gamma(), remaining - 1)
-        if gamma == 0:
-            event, new = _target_step(pair, ids, target_cache, params, generator, text, index)
-            event.draft_cache_len = drafter.cache_len
-        else:
-            proposal, p_logits, p, verdict, draft_s, verify_s = speculative_round(
-                pair.target, target_cache, drafter, ids, gamma, params, V, generator
-            )
-            gamma = proposal.tokens.shape[0]  # the drafter may propose fewer
-            drafted_ids = proposal.tokens.tolist()
-            n, stop_at = kept_drafts(verdict.n_accepted, drafted_ids, pair.eos_token_ids)
-            # Roll back: the target cache holds L + γ, keep the new sequence minus its last token.
-            target_cache.crop(-(gamma - n) if stop_at is None else -(gamma - n + 1))
-            drafter.verified(n)
-
-            drafted, extra = _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, settings.record_top,
-                                           text)
-            new = drafted_ids[:n] + ([extra.id] if extra else [])
-            event = RoundEvent(
-                index=index, gamma=gamma, drafted=drafted, extra=extra, n_accepted=n,
-                draft_ms=1000 * draft_s, verify_ms=1000 * verify_s,
-                target_cache_len=0, draft_cache_len=drafter.cache_len,
-                tokens_so_far=0, elapsed_ms=0.0,
-            )
-        ids = torch.cat([ids, torch.tensor([new], device=device)], dim=1)
-        generated += len(new)
-        index += 1
-        event.target_cache_len = target_cache.get_seq_length()
-        event.tokens_so_far = generated
-        event.elapsed_ms = 1000 * (time.perf_counter() - start)
-        event.finish_reason = finish_reason(new, generated, settings.max_new_tokens, pair.eos_token_ids)
-        policy.observe(event)
-        yield event
-        if event.finish_reason:
-            return
 
 
 def kept_drafts(n_accepted: int, drafted_ids: list[int], eos_ids) -> tuple[int, int | None]:
@@ -279,12 +198,6 @@ def finish_reason(new: list[int], generated: int, max_new_tokens: int, eos_ids) 
     if any(t in eos_ids for t in new):
         return "eos"
     return "length" if generated >= max_new_tokens else None
-
-
-def make_drafter(pair: ModelPair, settings: Settings) -> Drafter:
-    if settings.drafter == "lookup":
-        return PromptLookupDrafter(pair.vocab_size)
-    return DraftModelDrafter(pair.draft, pair.vocab_size)
 
 
 def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top, text):
@@ -320,75 +233,173 @@ def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top
     return drafted, extra
 
 
-def _target_step(pair, ids, target_cache, params, generator, text, index):
-    """One plain target step on ids[:, -1:] (the cache holds the rest): a baseline event."""
-    t0 = time.perf_counter()
-    logits = model_logits(pair.target, ids[:, -1:], target_cache, pair.vocab_size)[-1]  # [V]
-    token = _draw(logits, params, generator)
-    t1 = time.perf_counter()
-    shown = logits.softmax(-1) if params.greedy else logits_to_probs(logits, params)
-    extra = ExtraToken(token, text(token), TARGET, float(shown[token]))
-    event = RoundEvent(
-        index=index, gamma=0, drafted=[], extra=extra, n_accepted=0, draft_ms=0.0,
-        verify_ms=1000 * (t1 - t0), target_cache_len=0, draft_cache_len=0, tokens_so_far=0, elapsed_ms=0.0,
-    )
-    return event, [token]
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(logits_to_probs(logits, params), generator))
+def make_drafter(pair: ModelPair, settings: Settings, mode: str, capacity: int) -> Drafter:
+    if mode == "baseline":
+        return NoDrafter()
+    if settings.drafter == "lookup":
+        return PromptLookupDrafter(pair.vocab_size)
+    return DraftModelDrafter(pair.draft, pair.vocab_size, pad_id(pair), settings.cache, capacity, settings.compile)
+
+
+def pad_id(pair: ModelPair) -> int:
+    pad = pair.tokenizer.pad_token_id
+    return pad if pad is not None else min(pair.eos_token_ids)
+
+
+def _capacity(prompts_ids: list[list[int]], settings: Settings) -> int:
+    """Slots a static cache needs for a single run: prompt, new tokens, and one round's overshoot."""
+    gamma = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_max
+    return max(map(len, prompts_ids)) + settings.max_new_tokens + gamma + 2
 
 
 @torch.inference_mode()
-def baseline_events(
-    pair: ModelPair, prompt_ids: list[int], settings: Settings, meta: RunMeta | None = None
-) -> Iterator[RoundEvent]:
-    """Plain autoregressive decoding with the target alone: one event per token, same shape."""
+def decode(
+    pair: ModelPair, prompts_ids: list[list[int]], settings: Settings, mode: str = "speculative",
+    metas: list[RunMeta] | None = None,
+) -> Iterator[list[tuple[int, RoundEvent]]]:
+    """Decode B prompts together; yield, per round, (row, event) for every row still running.
+
+    mode "baseline" drafts nothing: one plain target step per round. Each row has its own random
+    generator (seeded like a single run), γ policy and budget, and leaves the batch when done, so
+    a row decodes what it would decode alone. Times are per row: a batch's round time divided by
+    the rows in it (a single run gets the whole). Fills metas' prefill_ms.
+    """
     settings.validate()
-    params, device = settings.sampling, pair.device
-    text = TokenTexts(pair.tokenizer)
-    generator = _seeded_generator(device, settings.seed)
-    ids = torch.tensor([prompt_ids], device=device)
-
-    start = time.perf_counter()
-    target_cache = DynamicCache(config=pair.target.config)
-    if ids.shape[1] > 1:
-        model_logits(pair.target, ids[:, :-1], target_cache, pair.vocab_size, last_only=True)
-    _sync(device)
-    if meta is not None:
-        meta.prefill_ms = 1000 * (time.perf_counter() - start)
-    for index in range(settings.max_new_tokens):
-        event, new = _target_step(pair, ids, target_cache, params, generator, text, index)
-        ids = torch.cat([ids, torch.tensor([new], device=device)], dim=1)
-        event.target_cache_len = target_cache.get_seq_length()
-        event.tokens_so_far = index + 1
-        event.elapsed_ms = 1000 * (time.perf_counter() - start)
-        event.finish_reason = finish_reason(new, index + 1, settings.max_new_tokens, pair.eos_token_ids)
-        yield event
-        if event.finish_reason:
-            return
-
-
-def generate(
-    pair: ModelPair,
-    prompt: str,
-    settings: Settings,
-    mode: str = "speculative",
-    chat_template: bool = True,
-    prompt_ids: list[int] | None = None,
-) -> Run:
-    """Run to the end and return the whole Run (events plus the decoded text)."""
-    settings.validate()
-    if prompt_ids is None:
-        validate_prompt(prompt)
-        prompt_ids = encode_prompt(pair.tokenizer, prompt, chat_template)
-    check_fits(pair, prompt_ids, settings)
     if mode not in ("speculative", "baseline"):
         raise ValueError(f"mode must be 'speculative' or 'baseline', got {mode!r}")
-    run = Run(make_meta(pair, mode, prompt, prompt_ids, settings))
-    events = (speculative_events if mode == "speculative" else baseline_events)(pair, prompt_ids, settings, run.meta)
-    run.events.extend(events)
-    run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
-    return run
+    if not 1 <= len(prompts_ids) <= MAX_BATCH:
+        raise ValueError(f"a batch holds 1 to {MAX_BATCH} prompts, got {len(prompts_ids)}")
+    params, device, V = settings.sampling, pair.device, pair.vocab_size
+    text = TokenTexts(pair.tokenizer)
+    n_rows, capacity, pad = len(prompts_ids), _capacity(prompts_ids, settings), pad_id(pair)
+    generators = [_seeded_generator(device, settings.seed) for _ in range(n_rows)]  # each row as if alone
+    policies = [make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max) for _ in range(n_rows)]
+    seqs = [torch.tensor(p, device=device) for p in prompts_ids]
+    generated, indices = [0] * n_rows, [0] * n_rows
+    active = list(range(n_rows))  # original row numbers, in state order
+
+    start = time.perf_counter()
+    drafter = make_drafter(pair, settings, mode, capacity)
+    # the target's state holds each row's sequence but its last token
+    target = KVState(pair.target, n_rows, settings.cache, V, capacity, settings.compile)
+    prefill = target.prefill(prompts_ids, pad, hidden=drafter.requires_hidden)
+    drafter.start(prompts_ids, prefill.hidden)
+    _sync(device)
+    for meta in metas or []:
+        meta.prefill_ms = 1000 * (time.perf_counter() - start) / n_rows
+
+    while active:
+        # Never draft past a row's budget: n kept + 1 added <= remaining.
+        gammas = [min(policies[r].next_gamma(), settings.max_new_tokens - generated[r] - 1)
+                  for r in active] if mode == "speculative" else [0] * len(active)
+        t0 = time.perf_counter()
+        proposals = drafter.propose([seqs[r] for r in active], gammas, params, [generators[r] for r in active])
+        _sync(device)
+        t1 = time.perf_counter()
+        drafted = [p.tokens.shape[0] for p in proposals]  # g_i <= γ_i
+        width = max(drafted) + 1
+        verify_rows = [[int(seqs[r][-1])] + p.tokens.tolist() for r, p in zip(active, proposals, strict=True)]
+        verify_ids = torch.tensor([v + [pad] * (width - len(v)) for v in verify_rows], device=device)
+        verify_real = torch.tensor([[j < len(v) for j in range(width)] for v in verify_rows], device=device)
+        base = target.width
+        verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden)
+        p_all = logits_to_probs(verify.logits, params)  # [B, g_max+1, V]: p_i = p(. | x, d_<i)
+        verdicts = [accept_or_resample(p_all[i, : g + 1], prop.q, prop.tokens, generators[r], greedy=params.greedy)
+                    for i, (r, g, prop) in enumerate(zip(active, drafted, proposals, strict=True))]
+        _sync(device)
+        t2 = time.perf_counter()
+
+        rows = []  # per active row: (drafted tokens, extra, n kept, new ids, finish reason)
+        for i, (r, g, prop, verdict) in enumerate(zip(active, drafted, proposals, verdicts, strict=True)):
+            drafted_ids = prop.tokens.tolist()
+            n, stop_at = kept_drafts(verdict.n_accepted, drafted_ids, pair.eos_token_ids)
+            target.make_holes(i, base + 1 + n, base + width)  # keep x_last and the n kept drafts
+            tokens, extra = _round_tokens(prop, verify.logits[i, : g + 1], p_all[i, : g + 1], verdict, n, stop_at,
+                                          params, settings.record_top, text)
+            new = drafted_ids[:n] + ([extra.id] if extra else [])
+            seqs[r] = torch.cat([seqs[r], torch.tensor(new, device=device, dtype=seqs[r].dtype)])
+            generated[r] += len(new)
+            rows.append((tokens, extra, n, new, finish_reason(new, generated[r], settings.max_new_tokens,
+                                                                pair.eos_token_ids)))
+        drafter.verified([row[2] for row in rows], verify.hidden)
+        target.trim()
+        target_lens, draft_lens = target.lengths.tolist(), drafter.cache_lens()
+        elapsed = 1000 * (time.perf_counter() - start)
+        share = 1000 / len(active)  # ms per row of this round's batch-wide seconds
+
+        out, finished = [], []
+        for i, (r, g, (tokens, extra, n, _, finish)) in enumerate(zip(active, drafted, rows, strict=True)):
+            event = RoundEvent(
+                index=indices[r], gamma=g, drafted=tokens, extra=extra, n_accepted=n,
+                draft_ms=share * (t1 - t0), verify_ms=share * (t2 - t1), target_cache_len=target_lens[i],
+                draft_cache_len=draft_lens[i] if draft_lens else 0, tokens_so_far=generated[r],
+                elapsed_ms=elapsed, finish_reason=finish,
+            )
+            indices[r] += 1
+            policies[r].observe(event)
+            out.append((r, event))
+            if finish:
+                finished.append(i)
+        if finished:
+            keep = [i for i in range(len(active)) if i not in finished]
+            if keep:
+                target.select(keep)
+                drafter.select(keep)
+            active = [active[i] for i in keep]
+        yield out
+
+
+def speculative_events(pair: ModelPair, prompt_ids: list[int], settings: Settings,
+                       meta: RunMeta | None = None) -> Iterator[RoundEvent]:
+    """One prompt: yield one RoundEvent per round until EOS or max_new_tokens. Fills meta.prefill_ms."""
+    for ((_, event),) in decode(pair, [prompt_ids], settings, "speculative", [meta] if meta else None):
+        yield event
+
+
+def baseline_events(pair: ModelPair, prompt_ids: list[int], settings: Settings,
+                    meta: RunMeta | None = None) -> Iterator[RoundEvent]:
+    """Plain autoregressive decoding with the target alone: one event per token, same shape."""
+    for ((_, event),) in decode(pair, [prompt_ids], settings, "baseline", [meta] if meta else None):
+        yield event
+
+
+def encode_prompts(pair: ModelPair, prompts: list[str], settings: Settings, chat_template: bool = True,
+                   prompts_ids: list[list[int]] | None = None) -> list[list[int]]:
+    """Validated prompt ids: encoded here unless given; ValueError before any model work."""
+    settings.validate()
+    if prompts_ids is None:
+        for prompt in prompts:
+            validate_prompt(prompt)
+        prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template) for p in prompts]
+    for ids in prompts_ids:
+        check_fits(pair, ids, settings)
+    return prompts_ids
+
+
+def new_runs(pair: ModelPair, prompts: list[str], prompts_ids: list[list[int]], settings: Settings,
+             mode: str = "speculative") -> list[Run]:
+    """One empty Run per row, for `decode` to fill."""
+    return [Run(make_meta(pair, mode, prompt, ids, settings, batch_size=len(prompts_ids)))
+            for prompt, ids in zip(prompts, prompts_ids, strict=True)]
+
+
+def generate_batch(pair: ModelPair, prompts: list[str], settings: Settings, chat_template: bool = True,
+                   prompts_ids: list[list[int]] | None = None, mode: str = "speculative") -> list[Run]:
+    """Run B prompts together to the end: one Run per prompt, in order."""
+    prompts_ids = encode_prompts(pair, prompts, settings, chat_template, prompts_ids)
+    runs = new_runs(pair, prompts, prompts_ids, settings, mode)
+    for round_events in decode(pair, prompts_ids, settings, mode, [r.meta for r in runs]):
+        for row, event in round_events:
+            runs[row].events.append(event)
+    for run in runs:
+        run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+    return runs
+
+
+def generate(pair: ModelPair, prompt: str, settings: Settings, mode: str = "speculative",
+             chat_template: bool = True, prompt_ids: list[int] | None = None) -> Run:
+    """Run one prompt to the end and return the whole Run (events plus the decoded text)."""
+    return generate_batch(pair, [prompt], settings, chat_template, None if prompt_ids is None else [prompt_ids],
+                          mode)[0]

@@ -166,6 +166,8 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         ("rounds (target passes)", str(spec.target_passes)),
         ("speculative tokens/s", f"{spec.tokens_per_s:.1f}"),
     ]
+    if spec.meta.cache:
+        rows.append(("KV cache", spec.meta.cache + (", compiled" if spec.meta.compiled else "")))
     c = cost_ratio(spec, baseline)
     if c is not None:
         rows.append(("c (draft step / target step)", f"{c:.3f}"))
@@ -180,7 +182,7 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
 
 
 def diff_html(spec: Run, baseline: Run) -> str:
-    greedy = spec.meta.temperature == 0
+    greedy = spec.meta.sampling.greedy
     at = first_difference(spec.token_ids, baseline.token_ids)
     if not greedy:
         return ('<div class="sv-note">Sampled mode: the two texts are different draws; speculative '

@@ -3,8 +3,7 @@
 import pytest
 from conftest import ARCHS, EOS, words
 
-from specviz.batch import MAX_BATCH, generate_batch
-from specviz.generator import Settings, generate
+from specviz.generator import MAX_BATCH, Settings, generate, generate_batch
 
 # different lengths (left padding), one that reaches <eos> early (leaves the batch), and
 # repeats for the lookup drafter to copy

@@ -30,11 +30,10 @@ def test_offline_greedy_equals_baseline(offline_fp32, prompt):
     assert spec.n_tokens == 24 or spec.finish_reason == "eos"
 
 
-def test_offline_pair_is_bf16_by_default_on_this_cpu():
-    from specviz.models import _cpu_has_fast_bf16
-
-    pair = load_pair(preset="offline", device="cpu")
-    assert pair.dtype == (torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32)
+def test_offline_pair_loads_in_the_dtype_asked_for():
+    pair = load_pair(preset="offline", device="cpu", dtype="bfloat16")
+    assert pair.dtype == torch.bfloat16
+    assert {p.dtype for m in (pair.target, pair.draft) for p in m.parameters()} == {torch.bfloat16}
     assert pair.vocab_size == 49152 and pair.draft.config.num_hidden_layers < pair.target.config.num_hidden_layers
 
 
@@ -54,7 +53,7 @@ def test_cli_compare_prints_tokens_rate_and_speedup(tmp_path):
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_offline_batch_rows_equal_single_runs(offline_fp32, drafter):
-    from specviz.batch import generate_batch
+    from specviz.generator import generate_batch
 
     prompts = PROMPTS + ["Correct the spelling: Teh cat sat on teh mat and lookd at the burds."]
     settings = Settings(gamma=3, drafter=drafter, max_new_tokens=16)
@@ -62,3 +61,28 @@ def test_offline_batch_rows_equal_single_runs(offline_fp32, drafter):
     alone = [generate(offline_fp32, p, settings) for p in prompts]
     assert [b.token_ids for b in batch] == [a.token_ids for a in alone]
     assert len({len(r.meta.prompt_ids) for r in batch}) > 1  # rows of different lengths, left-padded
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(offline_fp32):
+    """Hugging Face `generate`, greedy, on every benchmark prompt: the reference text."""
+    from specviz.models import encode_prompt
+    from specviz.prompts import BENCHMARK_PROMPTS
+
+    out = {}
+    for prompt in [p for texts in BENCHMARK_PROMPTS.values() for p in texts]:
+        ids = torch.tensor([encode_prompt(offline_fp32.tokenizer, prompt)])
+        with torch.inference_mode():
+            new = offline_fp32.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                               do_sample=False, pad_token_id=offline_fp32.tokenizer.eos_token_id)
+        out[prompt] = new[0, ids.shape[1]:].tolist()
+    return out
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
+def test_offline_greedy_equals_hf_generate_on_every_benchmark_prompt(offline_fp32, hf_greedy, cache):
+    """float32, eager: speculative text, and our baseline's, equal HF's token for token with each cache kind."""
+    settings = Settings(gamma=3, max_new_tokens=32, cache=cache, record_top=0)
+    for prompt, reference in hf_greedy.items():
+        assert generate(offline_fp32, prompt, settings).token_ids == reference, prompt
+        assert generate(offline_fp32, prompt, settings, mode="baseline").token_ids == reference, prompt

@@ -73,11 +73,13 @@ def start_server(python: str, env_extra: dict, cwd: Path = ROOT):
     proc = subprocess.Popen([python, "app.py"], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     url = f"http://127.0.0.1:{port}/"
+    started = time.monotonic()
     try:
         wait_for_server(url, proc)
     except BaseException:
         proc.kill()
         raise
+    print(f"\npython app.py: serving {time.monotonic() - started:.1f} s after start (loading, warm-up round)")
     return proc, url
 
 

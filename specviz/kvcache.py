@@ -1,0 +1,238 @@
+"""KV state for B rows decoded together: append slots, punch holes, roll back by a length.
+
+All rows share one rectangular grid of slots (columns). A forward appends the same number of
+slots to every row; `real` says which new slots hold a token of that row's sequence and which
+are holes (padding, or a draft the row rejected while another row kept its own). Positions are
+counted per row (real tokens before a slot), so every row sees exactly the sequence it would see
+alone: a batch row decodes what a single run decodes, and a single prompt is a batch of one.
+Rolling back is `trim()`: trailing slots that are holes in every row are dropped.
+
+Three kinds of storage behind the same slots (`CACHE_KINDS`):
+- "static": pre-allocated, written at a slot index; rolling back moves a length (gpt-fast's
+  cache). For Llama-family models specviz runs its own lean forward over it (leanllama.py);
+  for the others transformers' StaticCache, written at our length.
+- "dynamic": transformers' DynamicCache, cropped on rollback.
+- "none": no cache: every forward recomputes the whole sequence (what a KV cache buys).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+
+from .sampling import at_least_float32
+
+CACHE_KINDS = ("static", "dynamic", "none")
+
+
+@dataclass
+class Forward:
+    logits: torch.Tensor  # [B, t, V] at least float32, cut to the shared vocabulary
+    hidden: torch.Tensor | None  # [B, t, H] last hidden state (after the final norm), when asked
+
+
+def slot_mask(real: torch.Tensor, start: int, kv_len: int) -> torch.Tensor:
+    """[B, 1, t, kv_len] bool, True = may attend, for queries in slots start..start+t-1.
+
+    real: [B, start + t], which slots hold tokens. A query sees real slots up to its own; a
+    hole's query also sees itself, so no row of the mask is empty (an empty row gives NaN that
+    would reach the cache).
+    """
+    batch, width = real.shape
+    cols = torch.arange(kv_len, device=real.device)
+    q_slot = torch.arange(start, width, device=real.device)[:, None]  # [t, 1]
+    padded = torch.zeros(batch, kv_len, dtype=torch.bool, device=real.device)
+    padded[:, :width] = real
+    mask = (cols <= q_slot)[None] & padded[:, None, :]  # [B, t, kv_len]
+    return (mask | (cols == q_slot)[None])[:, None]
+
+
+class Backend(Protocol):
+    """Where the keys and values live. The KV state does the slot bookkeeping."""
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, start: int,
+                hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids [B, t] at slots start..start+t-1; real [B, start + t]. (logits, hidden or None)."""
+
+    def crop(self, width: int) -> None:
+        """Forget slots from `width` on."""
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only these rows."""
+
+
+def _hf_outputs(out, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return out.logits, out.hidden_states[-1] if hidden else None
+
+
+class DynamicBackend:
+    def __init__(self, model: PreTrainedModel):
+        self.model, self.cache = model, DynamicCache(config=model.config)
+
+    def forward(self, ids, positions, real, start, hidden):
+        out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, real.shape[1]), position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        return _hf_outputs(out, hidden)
+
+    def crop(self, width: int) -> None:
+        if width < self.cache.get_seq_length():
+            self.cache.crop(width - self.cache.get_seq_length())  # transformers 5: a negative count
+
+    def select(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+
+
+class StaticBackend:
+    """transformers' StaticCache, written at our own length: rollback moves the length."""
+
+    def __init__(self, model: PreTrainedModel, capacity: int):
+        self.model, self.capacity = model, capacity
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+
+    def _set_length(self, width: int) -> None:
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(width)
+
+    def _grow(self, need: int) -> None:
+        """Batches leave holes, so their slots may outgrow a single run's; double the storage."""
+        self.capacity = max(2 * self.capacity, need)
+        for layer in self.cache.layers:
+            layer.max_cache_len = self.capacity
+            if layer.is_initialized:
+                pad = self.capacity - layer.keys.shape[2]
+                layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, pad))
+                layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, pad))
+
+    def forward(self, ids, positions, real, start, hidden):
+        if real.shape[1] > self.capacity:
+            self._grow(real.shape[1])
+        self._set_length(start)
+        out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, self.capacity), position_ids=positions,
+                         cache_position=torch.arange(start, real.shape[1], device=ids.device),
+                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+        return _hf_outputs(out, hidden)
+
+    def crop(self, width: int) -> None:
+        self._set_length(width)
+
+    def select(self, index: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+                layer.batch_size = len(index)
+
+
+class NoCacheBackend:
+    """Keeps the token ids and positions only; each forward runs the whole sequence again."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.ids: torch.Tensor | None = None  # [B, W]
+        self.positions: torch.Tensor | None = None
+
+    def forward(self, ids, positions, real, start, hidden):
+        if self.ids is not None:
+            ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
+        self.ids, self.positions = ids, positions
+        t = real.shape[1] - start
+        out = self.model(input_ids=ids, attention_mask=slot_mask(real, 0, real.shape[1]), position_ids=positions,
+                         use_cache=False, output_hidden_states=hidden, logits_to_keep=t)
+        logits, h = _hf_outputs(out, hidden)
+        return logits, None if h is None else h[:, -t:]
+
+    def crop(self, width: int) -> None:
+        if self.ids is not None:
+            self.ids, self.positions = self.ids[:, :width], self.positions[:, :width]
+
+    def select(self, index: torch.Tensor) -> None:
+        if self.ids is not None:
+            self.ids, self.positions = self.ids[index], self.positions[index]
+
+
+def make_backend(model: PreTrainedModel, kind: str, capacity: int, compile: bool = False) -> Backend:
+    from .leanllama import LeanLlama
+
+    lean = kind == "static" and LeanLlama.supports(model)
+    if compile and not lean:
+        _warn_once(f"specviz: --compile applies to the static cache of Llama-family models; "
+                   f"{model.config.model_type} with the {kind} cache runs eager")
+    if lean:
+        return LeanLlama.of(model).backend(capacity, compile)
+    if kind == "static":
+        return StaticBackend(model, capacity)
+    if kind == "dynamic":
+        return DynamicBackend(model)
+    if kind == "none":
+        return NoCacheBackend(model)
+    raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {kind!r}")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger("specviz").warning(message)
+
+
+class KVState:
+    """One model's state for B rows: mask [B, W] (1 where a slot holds a real token) and a backend."""
+
+    def __init__(self, model: PreTrainedModel, batch: int, kind: str, vocab_size: int, capacity: int,
+                 compile: bool = False):
+        self.kind, self.vocab_size = kind, vocab_size
+        self.backend = make_backend(model, kind, capacity, compile)
+        self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] real tokens per row."""
+        return self.mask.sum(1)
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def forward(self, ids: torch.Tensor, real: torch.Tensor, hidden: bool = False) -> Forward:
+        """Append ids [B, t] (real [B, t] bool: False marks a hole) and run them."""
+        real = real.bool()
+        positions = (self.lengths[:, None] + real.long().cumsum(1) - 1).clamp_min(0)  # a hole's is never used
+        start = self.width
+        self.mask = torch.cat([self.mask, real], dim=1)
+        logits, h = self.backend.forward(ids, positions, self.mask, start, hidden)
+        return Forward(at_least_float32(logits[:, :, : self.vocab_size]), h)
+
+    def prefill(self, prompts: list[list[int]], pad_id: int, hidden: bool = False) -> Forward:
+        """Each prompt but its last token, right-aligned (a one-token prompt adds only a hole)."""
+        ids, real = left_padded([p[:-1] or [pad_id] for p in prompts], pad_id, self.mask.device)
+        real &= torch.tensor([len(p) > 1 for p in prompts], device=self.mask.device)[:, None]
+        return self.forward(ids, real, hidden)
+
+    def make_holes(self, row: int, start: int, stop: int) -> None:
+        """Slots [start, stop) of a row no longer hold tokens of its sequence."""
+        self.mask[row, start:stop] = False
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (finished rows leave the batch)."""
+        index = torch.tensor(rows, device=self.mask.device)
+        self.backend.select(index)
+        self.mask = self.mask[index]
+
+    def trim(self) -> None:
+        """Roll back: drop trailing slots that are holes in every row."""
+        real_any = self.mask.any(0).nonzero()
+        width = int(real_any[-1]) + 1 if len(real_any) else 0
+        if width < self.width:
+            self.backend.crop(width)
+            self.mask = self.mask[:, :width]
+
+
+def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, w] and real [B, w] with each row right-aligned."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    real = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows], device=device)
+    return ids, real

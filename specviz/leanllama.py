@@ -1,0 +1,283 @@
+"""A lean forward for Llama-family models over a pre-allocated KV cache (gpt-fast's shape).
+
+On a CPU a small model's step costs mostly overhead, not arithmetic: SmolLM2-135M reads 270 MB
+of bf16 weights per step (8.4 ms at this machine's bandwidth), yet transformers' eager forward
+takes ~30 ms. This forward is the same maths in fewer, larger operations: q, k, v in one matmul,
+gate and up in one, keys and values written into a static cache at slot indices (rolling back is
+moving a length), and on a CPU weights pre-packed once for its matmul library: in bf16 for
+oneDNN, about twice as fast as a plain `F.linear` at batch 1.
+
+Compiled (`compile=True`): torch.compile (inductor) of the same module at fixed shapes, so that a
+handful of graphs serve every γ: a forward of t tokens is padded with holes to the next width in
+WIDTHS, attention always spans the whole cache (its capacity rounded up to CAPACITY_STEP), and
+the slots to write are a tensor. On a CPU inductor's `freezing` packs the weights itself; on CUDA
+the graphs are replayed as CUDA graphs. Graphs are cached on disk under the specviz cache folder
+(TORCHINDUCTOR_CACHE_DIR), so a second start skips most of the work. If compiling fails (no C++
+compiler, an unsupported operator), the model falls back to the eager forward and says why.
+
+It reuses the model's own rotary embedding module (so RoPE scaling variants are the model's) and
+computes RMSNorm as transformers does (in float32), so float32 output matches transformers'.
+Supported: model_type llama and qwen3 (with its q/k norms), SiLU MLP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from .kvcache import slot_mask
+
+SUPPORTED = ("llama", "qwen3")
+MKL_ROWS = 5  # float32: weights also packed for MKL at this many rows (a verify pass of γ = 4)
+WIDTHS = (1, 2, 4, 8, 16, 33)  # compiled forwards: tokens per forward, padded up to one of these
+CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
+log = logging.getLogger("specviz")
+
+
+def _packing(weight: torch.Tensor) -> str:
+    """How to pre-pack a CPU weight: for oneDNN in bf16 (about twice as fast as F.linear at 1 to 9
+    rows); in float32 F.linear is fastest at 1 to 3 rows, but at 4 to 9 costs nearly twice as much,
+    so a second copy packed for MKL serves MKL_ROWS rows (1.3 one-row steps instead of 1.8)."""
+    if weight.device.type != "cpu":
+        return ""
+    if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        return "mkldnn"
+    if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
+        return "mkl"
+    return ""
+
+
+class Linear(nn.Module):
+    """y = x W^T + b; eagerly through W pre-packed for the CPU's matmul library where that is
+    faster, compiled through plain W (inductor packs it)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        # parameters, not buffers: inductor's freezing turns parameters into constants it can pack
+        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.packing = _packing(self.weight)
+        if self.packing == "mkldnn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        elif self.packing == "mkl":
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, MKL_ROWS)
+
+    def forward(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
+        if packed and self.packing == "mkldnn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if packed and self.packing == "mkl" and x.shape[:-1].numel() == MKL_ROWS:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, MKL_ROWS)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fused(*linears: nn.Linear) -> Linear:
+    biases = [lin.bias for lin in linears]
+    return Linear(torch.cat([lin.weight for lin in linears]), None if biases[0] is None else torch.cat(biases))
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([-x2, x1], -1)
+
+
+def _use_our_inductor_cache() -> None:
+    """Compiled graphs go under the specviz cache folder, unless the user chose a folder."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .models import cache_root
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):  # torch's own default
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+
+
+class LeanLayer(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.gate_up = _fused(mlp.gate_proj, mlp.up_proj)
+        self.down = Linear(mlp.down_proj.weight, None)
+
+
+class LeanLlama(nn.Module):
+    """The model's weights rearranged for the lean forward; one per model, shared by its caches."""
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        cfg = model.config
+        spread = len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1  # accelerate's layers
+        return (cfg.model_type in SUPPORTED and getattr(cfg, "hidden_act", "silu") == "silu" and not spread
+                and not getattr(cfg, "use_sliding_window", False) and not getattr(cfg, "mlp_bias", False))
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> LeanLlama:
+        """Built once per model (packing copies the weights): a model is not trained once loaded."""
+        lean = model.__dict__.get("_specviz_lean")
+        if lean is None:
+            lean = model.__dict__["_specviz_lean"] = cls(model)
+        return lean
+
+    @torch.inference_mode()
+    def __init__(self, model: PreTrainedModel):
+        super().__init__()
+        cfg = model.config
+        self.name = getattr(cfg, "_name_or_path", "") or cfg.model_type
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.embed = model.get_input_embeddings()
+        self.rotary = model.model.rotary_emb
+        self.norm = model.model.norm
+        self.head = Linear(model.get_output_embeddings().weight, None)
+        self.layers = nn.ModuleList(LeanLayer(layer) for layer in model.model.layers)
+        self.eval()
+        self.compiled = None  # the compiled forward, once asked for
+        self.compile_note = ""  # why compiling was given up, if it was
+        self.compiled_shapes: set[tuple] = set()
+
+    def backend(self, capacity: int, compile: bool = False) -> LeanCache:
+        return LeanCache(self, capacity, compile and self.compiler() is not None)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], kv_len: int, packed: bool,
+                hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions: [B, t] at cache slots `slots` [t]; mask: [B, 1, t, kv_len]. Attention
+        spans slots [0, kv_len). Returns logits [B, t, V] and, if asked, the last hidden state."""
+        batch, t = ids.shape
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        x = self.embed(ids)  # [B, t, C]
+        cos, sin = self.rotary(x, positions)  # [B, t, D]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, t, D], broadcast over heads
+        for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
+            h = _rms(x, layer.norm1.weight, self.eps)
+            q, k, v = layer.qkv(h, packed).split([H * D, KV * D, KV * D], -1)
+            q, k, v = q.view(batch, t, H, D), k.view(batch, t, KV, D), v.view(batch, t, KV, D)
+            if layer.q_norm is not None:  # Qwen3 normalises each head before RoPE
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, t, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
+            o = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
+                                               enable_gqa=H != KV)  # [B, H, t, D]
+            x = x + layer.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
+            h = _rms(x, layer.norm2.weight, self.eps)
+            gate, up = layer.gate_up(h, packed).chunk(2, -1)
+            x = x + layer.down(F.silu(gate) * up, packed)
+        x = _rms(x, self.norm.weight, self.eps)
+        return self.head(x, packed), x if hidden else None
+
+    def compiler(self):
+        """The compiled forward (made once), or None with `compile_note` saying why not."""
+        if self.compiled is None and not self.compile_note:
+            device = self.head.weight.device
+            if device.type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+                self.compile_note = "no C++ compiler found (inductor needs one on a CPU)"
+            else:
+                _use_our_inductor_cache()
+                # the module itself, not its bound forward, so that its weights can be frozen (see
+                # run_compiled); kept out of the module tree, since it wraps this module
+                options = {"triton.cudagraphs": device.type == "cuda"}
+                # dynamo keeps at most recompile_limit graphs per function, and the target and the
+                # draft share this forward: each needs one graph per width, so make room
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(WIDTHS))
+                self.__dict__["compiled"] = torch.compile(self, dynamic=False, options=options)
+            if self.compile_note:
+                log.warning("specviz: not compiling %s: %s; running eager", self.name, self.compile_note)
+        return self.compiled
+
+    def run_compiled(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One compiled forward, or None after giving up on compiling (the caller runs eager)."""
+        ids, keys = args[0], args[4]
+        shape = (tuple(ids.shape), tuple(keys[0].shape), args[8])
+        if shape not in self.compiled_shapes:
+            log.warning("specviz: compiling %s for %d token(s) per forward (first time: about a minute on a "
+                        "small CPU; cached on disk in %s)", self.name, ids.shape[1],
+                        os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        try:
+            # freezing: weights become constants that inductor pre-packs. It must be on while a graph
+            # compiles, which happens inside a call (as an option to torch.compile it is not seen).
+            with torch._inductor.config.patch(freezing=True):
+                out = self.compiled(*args)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, and say why
+            self.__dict__["compiled"] = None
+            self.compile_note = f"compiling failed ({type(err).__name__}: {err})"[:500]
+            log.warning("specviz: %s; %s runs eager", self.compile_note, self.name)
+            return None
+        self.compiled_shapes.add(shape)
+        return out
+
+
+class LeanCache:
+    """Keys and values [B, kv_heads, capacity, head_dim] per layer, allocated on first use."""
+
+    def __init__(self, lean: LeanLlama, capacity: int, compile: bool = False):
+        self.lean, self.compile = lean, compile
+        self.capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP if compile else capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def _reserve(self, batch: int, need: int, like: torch.Tensor) -> None:
+        """Allocate on first use; batches with holes may outgrow a single run's capacity: double it."""
+        if self.keys and need <= self.capacity:
+            return
+        if self.keys:
+            self.capacity = max(2 * self.capacity, need)
+        shape = (batch, self.lean.kv_heads, self.capacity, self.lean.head_dim)
+        old_keys, old_values = self.keys, self.values
+        self.keys = [like.new_zeros(shape) for _ in self.lean.layers]
+        self.values = [like.new_zeros(shape) for _ in self.lean.layers]
+        for new, old in zip(self.keys + self.values, old_keys + old_values, strict=False):
+            new[:, :, : old.shape[2]] = old
+        if self.compile and like.device.type == "cuda":  # CUDA graphs write into these in place
+            for cache in self.keys + self.values:
+                torch._dynamo.mark_static_address(cache)
+
+    @torch.inference_mode()
+    def forward(self, ids, positions, real, start, hidden):
+        batch, t = ids.shape
+        width = next((w for w in WIDTHS if w >= t), None) if self.compile and self.lean.compiled is not None else None
+        if width is not None:  # pad with holes to a compiled width; attention spans the whole cache
+            pad = width - t
+            # fresh, standard strides: a guard on strides would compile a graph again for a view
+            ids = F.pad(ids, (0, pad)).clone(memory_format=torch.contiguous_format)
+            positions = F.pad(positions, (0, pad)).clone(memory_format=torch.contiguous_format)
+            real = F.pad(real, (0, pad))
+            self._reserve(batch, start + width, self.lean.embed.weight)
+            slots = torch.arange(start, start + width, device=ids.device)
+            args = (ids, positions, slot_mask(real, start, self.capacity), slots, self.keys, self.values,
+                    self.capacity, False, hidden)
+            out = self.lean.run_compiled(args)
+            if out is not None:
+                logits, h = out
+                return logits[:, :t], None if h is None else h[:, :t]
+            ids, positions, real = ids[:, :t], positions[:, :t], real[:, : start + t]
+        end = start + t
+        self._reserve(batch, end, self.lean.embed.weight)
+        slots = torch.arange(start, end, device=ids.device)
+        return self.lean(ids, positions, slot_mask(real, start, end), slots, self.keys, self.values, end, True, hidden)
+
+    def crop(self, width: int) -> None:
+        pass  # the next forward writes from `width` on; the mask hides what lies beyond
+
+    def select(self, index: torch.Tensor) -> None:
+        self.keys = [k[index] for k in self.keys]
+        self.values = [v[index] for v in self.values]

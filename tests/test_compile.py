@@ -1,0 +1,72 @@
+"""Compiled forwards (torch.compile of the static cache's Llama forward): same text as eager, and
+a clear fallback to eager when compiling is impossible."""
+
+import logging
+
+import pytest
+import torch
+from conftest import words
+
+from specviz.generator import Settings, generate, generate_batch
+from specviz.leanllama import LeanLlama
+from specviz.models import load_pair
+
+PROMPTS = [words(2, 3, 4), words(20, 21, 22, 23, 24, 25), words(35, 36)]
+
+
+def fresh_pair(pattern_dirs, arch="llama"):
+    """A pair loaded anew, so no compiled (or given-up) forward carries over from another test."""
+    target, draft = pattern_dirs(arch)
+    return load_pair(str(target), str(draft), device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.slow
+def test_compiled_greedy_equals_eager_and_batch_rows_equal_single_runs(pattern_dirs, pattern_pair):
+    pair = fresh_pair(pattern_dirs)
+    settings = Settings(gamma=3, max_new_tokens=20, compile=True)
+    compiled = generate_batch(pair, [""] * 3, settings, prompts_ids=PROMPTS)
+    alone = [generate(pair, "", settings, prompt_ids=p) for p in PROMPTS]
+    eager = [generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=20), prompt_ids=p) for p in PROMPTS]
+    assert [r.token_ids for r in compiled] == [r.token_ids for r in alone] == [r.token_ids for r in eager]
+    lean = LeanLlama.of(pair.target)
+    assert lean.compile_note == "" and lean.compiled_shapes  # it really ran compiled
+    assert compiled[0].meta.compiled and compiled[0].meta.cache == "static"
+
+
+def test_a_failing_compiler_falls_back_to_eager_and_says_why(pattern_dirs, pattern_pair, monkeypatch, caplog):
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no working compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    pair = fresh_pair(pattern_dirs)
+    with caplog.at_level(logging.WARNING, logger="specviz"):
+        run = generate(pair, "", Settings(gamma=3, max_new_tokens=12, compile=True), prompt_ids=PROMPTS[0])
+    eager = generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=12), prompt_ids=PROMPTS[0])
+    assert run.token_ids == eager.token_ids
+    note = LeanLlama.of(pair.target).compile_note
+    assert "compiling failed" in note and "no working compiler here" in note and note in caplog.text
+
+
+def test_without_a_cpp_compiler_it_runs_eager(pattern_dirs, monkeypatch, caplog):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    pair = fresh_pair(pattern_dirs)
+    with caplog.at_level(logging.WARNING, logger="specviz"):
+        run = generate(pair, "", Settings(gamma=2, max_new_tokens=6, compile=True), prompt_ids=PROMPTS[0])
+    assert run.n_tokens == 6 and "no C++ compiler" in LeanLlama.of(pair.target).compile_note
+    assert "no C++ compiler" in caplog.text
+
+
+def test_other_architectures_run_eager_with_a_note(pattern_pair, caplog):
+    from specviz import kvcache
+
+    kvcache._warn_once.cache_clear()  # said once per process: make this test see it
+    with caplog.at_level(logging.WARNING, logger="specviz"):
+        run = generate(pattern_pair("gpt2"), "", Settings(gamma=2, max_new_tokens=6, compile=True),
+                       prompt_ids=PROMPTS[0])
+    eager = generate(pattern_pair("gpt2"), "", Settings(gamma=2, max_new_tokens=6), prompt_ids=PROMPTS[0])
+    assert run.token_ids == eager.token_ids
+    assert "applies to the static cache of Llama-family models" in caplog.text

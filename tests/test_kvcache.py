@@ -1,0 +1,94 @@
+"""KV states of every kind: after appends, holes and rollbacks a row's next logits equal a fresh
+forward over that row's sequence alone (float32)."""
+
+import pytest
+import torch
+from conftest import ARCHS, PAD, words
+
+from specviz.generator import Settings, generate
+from specviz.kvcache import CACHE_KINDS, KVState
+
+
+def fresh_logits(model, ids: list[int], vocab: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0, -1, :vocab]
+
+
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rolled_back_state_equals_a_fresh_forward(pattern_pair, arch, kind):
+    pair = pattern_pair(arch)
+    V = pair.vocab_size
+    seqs = [words(0, 1, 2, 3), words(5, 6)]
+    # capacity 6 is less than the slots used below: a static cache must grow, not overflow
+    state = KVState(pair.target, 2, kind, V, capacity=6)
+    with torch.inference_mode():
+        state.prefill(seqs, PAD)
+        # a round of 4 slots: row 0 keeps 2 of them, row 1 none (its slots become holes)
+        start = state.width
+        state.forward(torch.tensor([words(3, 4, 5, 6), words(6, 7, 8, 9)]), torch.ones(2, 4, dtype=torch.bool))
+        state.make_holes(0, start + 2, start + 4)
+        state.make_holes(1, start + 1, start + 4)
+        state.trim()
+        assert state.lengths.tolist() == [len(seqs[0]) - 1 + 2, len(seqs[1])]
+        seqs[0] += words(4, 5)
+        # a round that every row rejects entirely: rolled back to where it began
+        width = state.width
+        state.forward(torch.tensor([words(9, 9), words(9, 9)]), torch.ones(2, 2, dtype=torch.bool))
+        for row in range(2):
+            state.make_holes(row, width, width + 2)
+        state.trim()
+        assert state.width == width
+        # the next token of each row, at once
+        seqs[1] += words(7)
+        last = torch.tensor([[seqs[0][-1]], [seqs[1][-1]]])
+        cached = state.forward(last, torch.ones(2, 1, dtype=torch.bool)).logits[:, -1]
+    for row in range(2):
+        torch.testing.assert_close(cached[row], fresh_logits(pair.target, seqs[row], V), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", CACHE_KINDS)
+def test_a_drafter_may_ask_for_the_targets_hidden_states(pattern_pair, kind, monkeypatch):
+    """A drafter with requires_hidden gets the verify pass's last hidden states: those of a fresh
+    forward over the same tokens. One that does not ask makes the target compute none."""
+    from specviz import generator
+    from specviz.drafters import PromptLookupDrafter
+
+    pair = pattern_pair("llama")
+    seen = []
+
+    class Watching(PromptLookupDrafter):
+        requires_hidden = True
+
+        def start(self, prompts, hidden=None):
+            seen.append(("start", hidden))
+
+        def verified(self, n_accepted, hidden=None):
+            seen.append(("verified", hidden))
+
+    monkeypatch.setattr(generator, "PromptLookupDrafter", Watching)
+    prompt = words(1, 2, 3, 1, 2)
+    run = generate(pair, "", Settings(gamma=3, drafter="lookup", max_new_tokens=6, cache=kind), prompt_ids=prompt)
+    assert seen[0][1].shape[:2] == (1, len(prompt) - 1)
+    with torch.inference_mode():
+        out = pair.target(torch.tensor([prompt + run.token_ids]), output_hidden_states=True)
+    fresh = out.hidden_states[-1][0]  # [L, H], after the final norm
+    position = len(prompt) - 1  # the first verify pass starts at the prompt's last token
+    for (_, hidden), event in zip(seen[1:], run.events, strict=True):
+        width = event.gamma + 1
+        assert hidden.shape[:2] == (1, width)
+        kept = event.n_accepted + 1  # rows of the pass over tokens that stayed in the text
+        torch.testing.assert_close(hidden[0, :kept], fresh[position : position + kept], atol=1e-4, rtol=1e-4)
+        position += len(event.new_tokens)
+
+    monkeypatch.undo()  # the plain lookup drafter again
+    calls = []
+    original = pair.target.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("output_hidden_states"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pair.target, "forward", spy)
+    generate(pair, "", Settings(gamma=3, drafter="lookup", max_new_tokens=6, cache="dynamic"), prompt_ids=prompt)
+    assert calls and not any(calls)

@@ -1,0 +1,55 @@
+"""The streaming API that the CLI and the app consume: typed updates, a trace, a time limit."""
+
+import pytest
+
+from specviz.events import load_runs
+from specviz.generator import Settings, generate
+from specviz.stream import BatchRound, Finished, RoundDone, stream, stream_batch
+
+
+def test_stream_yields_rounds_then_the_baseline_then_the_finished_runs(pattern_pair, tmp_path):
+    pair = pattern_pair("llama")
+    settings = Settings(gamma=3, max_new_tokens=12)
+    updates = list(stream(pair, "w2 w3 w4", settings, compare=True, chat_template=False, trace_dir=tmp_path))
+    *rounds, last = updates
+    assert all(isinstance(u, RoundDone) for u in rounds) and isinstance(last, Finished)
+    modes = [u.run.meta.mode for u in rounds]
+    assert modes == sorted(modes, reverse=True) and modes[0] == "speculative" and modes[-1] == "baseline"
+    spec, base = last.spec, last.base
+    assert [u.event for u in rounds if u.run is spec] == spec.events  # every round was streamed, in order
+    assert spec.token_ids == base.token_ids == generate(pair, "", settings, prompt_ids=spec.meta.prompt_ids).token_ids
+    assert spec.text == pair.tokenizer.decode(spec.token_ids, skip_special_tokens=True) and spec.text
+    assert last.stopped == "" and load_runs(last.trace) == [spec, base]
+
+
+def test_a_time_limit_stops_after_the_round_that_passed_it(pattern_pair):
+    pair = pattern_pair("llama")
+    updates = list(stream(pair, "w2 w3 w4", Settings(gamma=1, max_new_tokens=40), compare=True,
+                          chat_template=False, time_limit_s=1e-9))
+    assert len(updates) == 2 and "time limit" in updates[-1].stopped
+    assert [r.meta.mode for r in updates[-1].runs] == ["speculative"]  # no baseline after a stop
+    assert updates[-1].spec.n_tokens < 40 and updates[-1].trace is None
+
+
+def test_closing_the_stream_cancels_between_rounds(pattern_pair):
+    updates = stream(pattern_pair("llama"), "w2 w3 w4", Settings(gamma=2, max_new_tokens=30), chat_template=False)
+    first = next(updates)
+    updates.close()
+    assert isinstance(first, RoundDone) and first.run.n_tokens < 30
+    with pytest.raises(StopIteration):
+        next(updates)
+
+
+def test_stream_batch_yields_one_update_per_round(pattern_pair):
+    pair = pattern_pair("llama")
+    *rounds, last = stream_batch(pair, ["w2 w3", "w30 w31 w32"], Settings(gamma=2, max_new_tokens=10),
+                                 chat_template=False)
+    assert [u.index for u in rounds] == list(range(len(rounds))) and all(isinstance(u, BatchRound) for u in rounds)
+    assert len(last.runs) == 2 and last.runs[1].finish_reason == "eos" and last.runs[0].n_tokens == 10
+
+
+def test_bad_input_fails_before_any_round(pattern_pair):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        next(stream(pattern_pair("llama"), "  ", Settings()))
+    with pytest.raises(ValueError, match="cache must be one of"):
+        next(stream(pattern_pair("llama"), "w1", Settings(cache="paged")))
