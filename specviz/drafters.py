@@ -122,7 +122,7 @@ class DraftModelDrafter:
         tokens = torch.zeros(len(seqs), steps, dtype=torch.long, device=device)  # [B, γ_max]
         qs, logit_rows = [], []
         for step in range(steps):
-            logits = state.forward(ids, real).logits[:, -1]  # [B, V]
+            logits = state.forward(ids, real, last_only=True).logits[:, -1]  # [B, V]
             q = logits_to_probs(logits, params)  # [B, V]
             if params.greedy:
                 tokens[:, step] = q.argmax(-1)

@@ -56,8 +56,9 @@ class Backend(Protocol):
     """Where the keys and values live. The KV state does the slot bookkeeping."""
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, start: int,
-                hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ids [B, t] at slots start..start+t-1; real [B, start + t]. (logits, hidden or None)."""
+                hidden: bool, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids [B, t] at slots start..start+t-1; real [B, start + t]. (logits [B, t or 1, V],
+        hidden [B, t, H] or None)."""
 
     def crop(self, width: int) -> None:
         """Forget slots from `width` on."""
@@ -74,9 +75,10 @@ class DynamicBackend:
     def __init__(self, model: PreTrainedModel):
         self.model, self.cache = model, DynamicCache(config=model.config)
 
-    def forward(self, ids, positions, real, start, hidden):
+    def forward(self, ids, positions, real, start, hidden, last_only):
         out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, real.shape[1]), position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+                         logits_to_keep=int(last_only))
         return _hf_outputs(out, hidden)
 
     def crop(self, width: int) -> None:
@@ -109,13 +111,14 @@ class StaticBackend:
                 layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, pad))
                 layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, pad))
 
-    def forward(self, ids, positions, real, start, hidden):
+    def forward(self, ids, positions, real, start, hidden, last_only):
+        # the cache's length is already `start`: a forward adds its tokens, a rollback sets it
         if real.shape[1] > self.capacity:
             self._grow(real.shape[1])
-        self._set_length(start)
         out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, self.capacity), position_ids=positions,
                          cache_position=torch.arange(start, real.shape[1], device=ids.device),
-                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden)
+                         past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+                         logits_to_keep=int(last_only))
         return _hf_outputs(out, hidden)
 
     def crop(self, width: int) -> None:
@@ -136,13 +139,13 @@ class NoCacheBackend:
         self.ids: torch.Tensor | None = None  # [B, W]
         self.positions: torch.Tensor | None = None
 
-    def forward(self, ids, positions, real, start, hidden):
+    def forward(self, ids, positions, real, start, hidden, last_only):
         if self.ids is not None:
             ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
         self.ids, self.positions = ids, positions
         t = real.shape[1] - start
         out = self.model(input_ids=ids, attention_mask=slot_mask(real, 0, real.shape[1]), position_ids=positions,
-                         use_cache=False, output_hidden_states=hidden, logits_to_keep=t)
+                         use_cache=False, output_hidden_states=hidden, logits_to_keep=1 if last_only else t)
         logits, h = _hf_outputs(out, hidden)
         return logits, None if h is None else h[:, -t:]
 
@@ -196,20 +199,21 @@ class KVState:
     def width(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, ids: torch.Tensor, real: torch.Tensor, hidden: bool = False) -> Forward:
-        """Append ids [B, t] (real [B, t] bool: False marks a hole) and run them."""
+    def forward(self, ids: torch.Tensor, real: torch.Tensor, hidden: bool = False, last_only: bool = False) -> Forward:
+        """Append ids [B, t] (real [B, t] bool: False marks a hole) and run them; last_only: logits of
+        the last slot only ([B, 1, V]), for a forward whose other positions nobody reads."""
         real = real.bool()
         positions = (self.lengths[:, None] + real.long().cumsum(1) - 1).clamp_min(0)  # a hole's is never used
         start = self.width
         self.mask = torch.cat([self.mask, real], dim=1)
-        logits, h = self.backend.forward(ids, positions, self.mask, start, hidden)
+        logits, h = self.backend.forward(ids, positions, self.mask, start, hidden, last_only)
         return Forward(at_least_float32(logits[:, :, : self.vocab_size]), h)
 
     def prefill(self, prompts: list[list[int]], pad_id: int, hidden: bool = False) -> Forward:
         """Each prompt but its last token, right-aligned (a one-token prompt adds only a hole)."""
         ids, real = left_padded([p[:-1] or [pad_id] for p in prompts], pad_id, self.mask.device)
         real &= torch.tensor([len(p) > 1 for p in prompts], device=self.mask.device)[:, None]
-        return self.forward(ids, real, hidden)
+        return self.forward(ids, real, hidden, last_only=True)
 
     def make_holes(self, row: int, start: int, stop: int) -> None:
         """Slots [start, stop) of a row no longer hold tokens of its sequence."""

@@ -157,9 +157,10 @@ class LeanLlama(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], kv_len: int, packed: bool,
-                hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden: bool, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions: [B, t] at cache slots `slots` [t]; mask: [B, 1, t, kv_len]. Attention
-        spans slots [0, kv_len). Returns logits [B, t, V] and, if asked, the last hidden state."""
+        spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only)
+        and, if asked, the last hidden state [B, t, C]."""
         batch, t = ids.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         x = self.embed(ids)  # [B, t, C]
@@ -183,7 +184,7 @@ class LeanLlama(nn.Module):
             gate, up = layer.gate_up(h, packed).chunk(2, -1)
             x = x + layer.down(F.silu(gate) * up, packed)
         x = _rms(x, self.norm.weight, self.eps)
-        return self.head(x, packed), x if hidden else None
+        return self.head(x[:, -1:] if last_only else x, packed), x if hidden else None
 
     def compiler(self):
         """The compiled forward (made once), or None with `compile_note` saying why not."""
@@ -252,7 +253,7 @@ class LeanCache:
                 torch._dynamo.mark_static_address(cache)
 
     @torch.inference_mode()
-    def forward(self, ids, positions, real, start, hidden):
+    def forward(self, ids, positions, real, start, hidden, last_only):
         batch, t = ids.shape
         width = next((w for w in WIDTHS if w >= t), None) if self.compile and self.lean.compiled is not None else None
         if width is not None:  # pad with holes to a compiled width; attention spans the whole cache
@@ -266,14 +267,15 @@ class LeanCache:
             args = (ids, positions, slot_mask(real, start, self.capacity), slots, self.keys, self.values,
                     self.capacity, False, hidden)
             out = self.lean.run_compiled(args)
-            if out is not None:
+            if out is not None:  # the graph ran all padded positions: the real ones are the first t
                 logits, h = out
-                return logits[:, :t], None if h is None else h[:, :t]
+                return logits[:, t - 1 : t] if last_only else logits[:, :t], None if h is None else h[:, :t]
             ids, positions, real = ids[:, :t], positions[:, :t], real[:, : start + t]
         end = start + t
         self._reserve(batch, end, self.lean.embed.weight)
         slots = torch.arange(start, end, device=ids.device)
-        return self.lean(ids, positions, slot_mask(real, start, end), slots, self.keys, self.values, end, True, hidden)
+        return self.lean(ids, positions, slot_mask(real, start, end), slots, self.keys, self.values, end, True, hidden,
+                         last_only)
 
     def crop(self, width: int) -> None:
         pass  # the next forward writes from `width` on; the mask hides what lies beyond
