@@ -56,7 +56,8 @@ EDIT_EXAMPLES = [
     "Replace 'car' with 'bicycle' in this text: My car is parked outside. I bought the car last year, and the car "
     "has been very reliable.",
 ]
-DRAFTER_CHOICES = [("draft model", "model"), ("prompt lookup (copies from the prompt, no model)", "lookup")]
+DRAFTER_CHOICES = [("draft model", "model"), ("prompt lookup (copies from the prompt, no model)", "lookup"),
+                   ("EAGLE head (reads the target's hidden states)", "eagle")]
 POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on a rejection)", "grow-shrink"),
                   ("expected speedup (from measured α and costs)", "expected")]
 CACHE_CHOICES = [("static (pre-allocated; rollback moves a length)", "static"),
@@ -68,6 +69,7 @@ MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
 MAX_TOKENS_UI = 256 if PUBLIC else 512
 MAX_GAMMA_UI = 8 if PUBLIC else MAX_GAMMA
 GAMMA_MAX_ADAPTIVE = min(16, MAX_GAMMA_UI)  # the cap an adaptive policy grows to
+FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset's fastest measured settings
 MAX_BATCH_UI = 4 if PUBLIC else 8
 BATCH_SEPARATOR = "---"
 TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
@@ -332,6 +334,16 @@ def inspect_token(runs, choice):
     return charts.token_inspector(token, f"round {round_index + 1}, position {position + 1}:")
 
 
+def preset_changed(preset):
+    """Custom boxes shown for a custom pair; a preset's own first-run settings (drafter, γ, policy)."""
+    boxes = [gr.update(visible=preset == CUSTOM)] * 2
+    if preset not in PRESETS:
+        return [*boxes, gr.skip(), gr.skip(), gr.skip()]
+    chosen = PRESETS[preset]
+    return [*boxes, gr.update(value=chosen.drafter), gr.update(value=chosen.gamma),
+            gr.update(value=chosen.gamma_policy)]
+
+
 def race(runs):
     spec, base = split_runs(runs)
     if not (spec and base):
@@ -353,8 +365,9 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
             preset = gr.Dropdown([*PRESETS] if PUBLIC else [*PRESETS, CUSTOM], value="offline", label="Model pair")
             custom_target = gr.Textbox(label="Custom target (hub id or local dir)", visible=False)
             custom_draft = gr.Textbox(label="Custom draft (same tokenizer)", visible=False)
-            drafter = gr.Dropdown(DRAFTER_CHOICES, value="model", label="Drafter", elem_id="drafter")
-            gamma_policy = gr.Dropdown(POLICY_CHOICES, value="fixed", label="γ policy", elem_id="gamma-policy",
+            drafter = gr.Dropdown(DRAFTER_CHOICES, value=FIRST_RUN.drafter, label="Drafter", elem_id="drafter")
+            gamma_policy = gr.Dropdown(POLICY_CHOICES, value=FIRST_RUN.gamma_policy, label="γ policy",
+                                       elem_id="gamma-policy",
                                        info=f"adaptive policies start at γ and draft at most {GAMMA_MAX_ADAPTIVE}")
             with gr.Accordion("Advanced", open=False):
                 cache = gr.Radio(CACHE_CHOICES, value="static", label="KV cache (both models)", elem_id="cache-kind",
@@ -363,7 +376,7 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
                                        elem_id="compile", info="static cache, Llama-family models; each new shape "
                                        "compiles for a minute or more at start")
     with gr.Row():
-        gamma = gr.Slider(1, MAX_GAMMA_UI, value=4, step=1, label="γ (draft tokens per round)")
+        gamma = gr.Slider(1, MAX_GAMMA_UI, value=FIRST_RUN.gamma, step=1, label="γ (draft tokens per round)")
         temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
         top_k = gr.Number(0, label="top-k (0 = off)", precision=0)
         top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p")
@@ -428,7 +441,7 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     show_rounds.change(rerender, [runs_state, show_rounds], [spec_html, base_html], api_visibility="private")
     token_pick.change(inspect_token, [runs_state, token_pick], fig_inspect, api_visibility="private")
     race_btn.click(race, runs_state, race_box, api_visibility="private")
-    preset.change(lambda p: [gr.update(visible=p == CUSTOM)] * 2, preset, [custom_target, custom_draft],
+    preset.change(preset_changed, preset, [custom_target, custom_draft, drafter, gamma, gamma_policy],
                   api_visibility="private")
 
 
@@ -443,7 +456,9 @@ def warm_up() -> None:
     the first visitor's first round pays neither for loading nor for the kernels' first calls (nor,
     with SPECVIZ_COMPILE=1, for compiling the default settings' forwards)."""
     pair = get_pair("offline", "", "")
-    settings = Settings(max_new_tokens=Settings.gamma + 2, record_top=0)  # one full round at the default γ
+    drafter = FIRST_RUN.drafter if FIRST_RUN.drafter != "eagle" or pair.head is not None else "model"
+    # a full round at the first run's γ
+    settings = Settings(gamma=FIRST_RUN.gamma, drafter=drafter, max_new_tokens=FIRST_RUN.gamma + 2, record_top=0)
     for mode in ("speculative", "baseline"):
         generate(pair, EXAMPLES[0], settings, mode=mode)
 

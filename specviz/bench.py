@@ -135,7 +135,7 @@ class BenchRow:
     tps_spread: float = 0.0  # (max - min) / median of specviz tokens/s over repeats
     identical_to_baseline: bool | None = None  # greedy only
     identical_to_hf: bool | None = None  # greedy only
-    drafter: str = "model"  # "model" | "lookup"
+    drafter: str = "model"  # "model" | "lookup" | "eagle"
     policy: str = "fixed"  # γ policy (schedules.py)
     mean_gamma: float | None = None  # drafted tokens per round, for adaptive policies
     cache: str = "static"
@@ -179,8 +179,9 @@ def _assistant_drafts(draft, gamma: int):
 
 
 def _hf_counterpart(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> tuple[float, list[int]] | None:
-    """HF assisted generation (draft model) or HF prompt lookup at the same γ; None for adaptive γ."""
-    if settings.gamma_policy != "fixed":
+    """HF assisted generation (draft model) or HF prompt lookup at the same γ; None for adaptive γ
+    and for the EAGLE head (transformers has no counterpart)."""
+    if settings.gamma_policy != "fixed" or settings.drafter == "eagle":
         return None
     if settings.drafter == "lookup":
         return _hf_generate(pair, prompt_ids, settings, prompt_lookup_num_tokens=settings.gamma)
@@ -197,8 +198,8 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
     tps = [r.tokens_per_s for r in specs]
     c = cost_ratio(spec, base)
     alpha = spec.acceptance_rate
-    # The bound assumes i.i.d. acceptance at a fixed γ from a draft model: not lookup, not adaptive γ.
-    bounded = settings.drafter == "model" and settings.gamma_policy == "fixed"
+    # The bound assumes i.i.d. acceptance at a fixed γ from a drafter with a cost: not lookup, not adaptive γ.
+    bounded = settings.drafter != "lookup" and settings.gamma_policy == "fixed"
     bound = speedup_bound(alpha, settings.gamma, c) if bounded and alpha is not None and c is not None else None
     speedup = median(s.tokens_per_s / b.tokens_per_s for s, b in zip(specs, bases, strict=True))
     row = BenchRow(category, prompt, settings.temperature, settings.gamma, alpha, spec.tokens_per_round, c,
@@ -229,7 +230,7 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                max_new_tokens: int, repeats: int, with_hf: bool = True, progress=print,
                drafters: tuple[str, ...] = ("model", "lookup"), lookup_gammas: list[int] | None = None,
                policies: tuple[str, ...] = ("grow-shrink", "expected"), cache: str = "static",
-               compile: bool = False) -> list[BenchRow]:
+               compile: bool = False, eagle_gammas: list[int] | None = None) -> list[BenchRow]:
     """Per prompt and temperature, `repeats` blocks, each timing back to back: HF plain `generate`,
     specviz's baseline, then every setting (each drafter over its γ sweep with HF's assisted
     generation or prompt lookup at the same γ, then each adaptive policy with its defaults).
@@ -238,10 +239,10 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     from .generator import generate
     from .models import encode_prompt
 
-    lookup_gammas = lookup_gammas or gammas
+    sweep = {"model": gammas, "lookup": lookup_gammas or gammas, "eagle": eagle_gammas or gammas}
     first = next(iter(prompts.values()))[0]
     for drafter in drafters:  # warm-up: first calls of every kernel and path (and every compiled width)
-        for gamma in gammas if drafter == "model" else lookup_gammas:
+        for gamma in sweep[drafter]:
             generate(pair, first, Settings(gamma=gamma, max_new_tokens=gamma + 4, record_top=0, drafter=drafter,
                                            cache=cache, compile=compile))
     generate(pair, first, Settings(max_new_tokens=8, record_top=0, cache=cache, compile=compile), mode="baseline")
@@ -252,8 +253,7 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
             for temperature in temperatures:
                 base_settings = Settings(gamma=1, temperature=temperature, max_new_tokens=max_new_tokens,
                                          record_top=0, cache=cache, compile=compile)
-                settings_list = [replace(base_settings, gamma=g, drafter=d) for d in drafters
-                                 for g in (gammas if d == "model" else lookup_gammas)]
+                settings_list = [replace(base_settings, gamma=g, drafter=d) for d in drafters for g in sweep[d]]
                 settings_list += [replace(base_settings, gamma=Settings.gamma, gamma_policy=p, drafter=d)
                                   for d in drafters for p in policies]
                 bases, hf_plain = [], []

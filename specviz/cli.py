@@ -16,13 +16,15 @@ from .generator import (
     MAX_GAMMA,
     MAX_NEW_TOKENS,
     Settings,
+    check_drafter,
     check_fits,
     compile_by_default,
+    drafter_name,
     generate,
     validate_prompt,
 )
 from .kvcache import CACHE_KINDS
-from .models import PRESETS, encode_prompt, load_pair
+from .models import PRESETS, Preset, encode_prompt, load_pair
 from .rendering import batch_summary, first_difference, legend, round_text, run_text, summary
 from .schedules import POLICIES
 from .stream import Finished, RoundDone, stream
@@ -35,13 +37,18 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--preset", choices=list(PRESETS), help="a model pair (default: offline)")
     g.add_argument("--target", help="target model: hub id or local directory")
     g.add_argument("--draft", help="draft model: hub id or local directory (same tokenizer)")
-    g.add_argument("--gamma", type=int, default=4,
-                   help=f"tokens drafted per round, 1..{MAX_GAMMA} (default 4); an adaptive policy starts here")
-    g.add_argument("--drafter", choices=list(DRAFTERS), default="model",
-                   help="model: the pair's draft model (default); lookup: copy from the prompt and text (n-grams)")
-    g.add_argument("--gamma-policy", choices=list(POLICIES), default="fixed",
-                   help="fixed (default); grow-shrink: +2 after a fully accepted round, -1 after a rejection; "
-                        "expected: each round the γ with the best expected speedup from what the run measured")
+    g.add_argument("--gamma", type=int,
+                   help=f"tokens drafted per round, 1..{MAX_GAMMA} (default: the preset's, else 4); an adaptive "
+                        "policy starts here")
+    g.add_argument("--drafter", choices=list(DRAFTERS),
+                   help="default: the preset's. model: the pair's draft model; lookup: copy from the prompt and text "
+                        "(n-grams); eagle: the target's EAGLE head (reads its hidden states; the offline preset "
+                        "ships one)")
+    g.add_argument("--head", metavar="DIR", help="an EAGLE head for the target (from `distill --kind eagle`)")
+    g.add_argument("--gamma-policy", choices=list(POLICIES),
+                   help="default: the preset's, else fixed. fixed; grow-shrink: +2 after a fully accepted round, "
+                        "-1 after a rejection; expected: each round the γ with the best expected speedup from what "
+                        "the run measured")
     g.add_argument("--gamma-max", type=int, default=16, help="the most an adaptive policy drafts (default 16)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -63,9 +70,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    preset = args.preset or (None if args.target or args.draft else "offline")
+    first_run = PRESETS[preset] if preset else Preset("", "", "", "")  # the preset's settings for a first run
+    gamma = args.gamma if args.gamma is not None else first_run.gamma
     settings = Settings(
-        gamma=args.gamma, gamma_policy=args.gamma_policy, gamma_max=max(args.gamma_max, args.gamma),
-        drafter=args.drafter, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        gamma=gamma, gamma_policy=args.gamma_policy or first_run.gamma_policy, gamma_max=max(args.gamma_max, gamma),
+        drafter=args.drafter or first_run.drafter, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, cache=args.cache, compile=args.compile,
     )
     settings.validate()
@@ -73,12 +83,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         validate_prompt(prompt)
     if len(args.prompt) > MAX_BATCH:
         raise ValueError(f"a batch holds at most {MAX_BATCH} prompts, got {len(args.prompt)}")
-    preset = args.preset or (None if args.target or args.draft else "offline")
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress)
+    pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress, head=args.head)
+    check_drafter(pair, settings)
     prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
     for ids in prompts_ids:
         check_fits(pair, ids, settings)
@@ -125,8 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _pair_line(pair, settings: Settings) -> str:
-    draft = pair.draft_name if settings.drafter == "model" else "prompt lookup (no draft model)"
-    return f"target {pair.target_name} <- draft {draft} ({pair.dtype}, {pair.device})"
+    return f"target {pair.target_name} <- draft {drafter_name(pair, settings.drafter)} ({pair.dtype}, {pair.device})"
 
 
 def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings, colour: bool, out) -> int:
@@ -185,28 +194,44 @@ def cmd_bench_render(args: argparse.Namespace) -> int:
 def _add_distill(sub: argparse._SubParsersAction) -> None:
     from .distill import DistillConfig
 
-    d = sub.add_parser("distill", help="distil a small draft model from a target (see specviz/distill.py)")
+    d = sub.add_parser("distill", help="distil a draft model or an EAGLE head from a target (see specviz/distill.py)")
+    d.add_argument("--kind", choices=["draft", "eagle"], default="draft",
+                   help="draft: a small independent model (default); eagle: a head on the target's hidden states")
     d.add_argument("--target", required=True, help="hub id, local directory, or 'offline'")
-    d.add_argument("--out", required=True, help="directory for the draft (safetensors, config, tokenizer)")
+    d.add_argument("--out", required=True, help="directory for the draft or head (safetensors, config, report)")
     defaults = DistillConfig("", "")
     for name in ["prompts", "new_tokens", "gen_batch", "top_k", "layers", "hidden", "heads", "kv_heads",
-                 "intermediate", "max_steps", "batch", "seed"]:
+                 "intermediate", "max_steps", "batch", "seed", "draft_vocab", "ttt_steps", "head_intermediate"]:
         d.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ["gen_temperature", "train_minutes", "lr", "holdout"]:
         d.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    d.add_argument("--temperatures", default=",".join(f"{t:g}" for t in defaults.temperatures),
+                   help="eagle: answer each prompt once at each of these temperatures (0: greedy)")
+    d.add_argument("--data-file", help="eagle: reuse the generated data from this file, or save it there")
     d.add_argument("--prompts-file", help="one training prompt per line (default: the built-in set)")
     d.add_argument("--no-chat-template", action="store_true")
     d.add_argument("--device", default="auto")
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from .distill import DistillConfig, distill
+    from .distill import DistillConfig, distill, distill_eagle
     from .models import OFFLINE_TARGET
 
     fields = {k: v for k, v in vars(args).items() if k in DistillConfig.__dataclass_fields__}
     fields["target"] = OFFLINE_TARGET if args.target == "offline" else args.target
     fields["chat_template"] = not args.no_chat_template
-    report = distill(DistillConfig(**fields), progress=lambda m: print(m, file=sys.stderr, flush=True))
+    fields["temperatures"] = tuple(float(t) for t in _csv(args.temperatures))
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.kind == "eagle":
+        report = distill_eagle(DistillConfig(**fields), progress=progress)
+        data, held = report["data"], report["held_out_by_position"]
+        print(f"EAGLE head saved to {args.out}: {report['head_parameters'] / 1e6:.1f} M parameters; "
+              f"{data['train_tokens']} training tokens from {data['prompts']} prompts ({data['generation_s']:.0f} s "
+              f"to generate), {report['training']['train_s'] / 60:.1f} min training on {report['device']}; "
+              "held-out greedy agreement by draft position: "
+              + ", ".join(f"{s['greedy_agreement']:.1%}" for s in held))
+        return 0
+    report = distill(DistillConfig(**fields), progress=progress)
     held = report["held_out"]
     print(f"draft saved to {args.out}: {report['draft_parameters'] / 1e6:.1f} M parameters; "
           f"{report['data']['train_tokens']} training tokens from {report['data']['prompts']} prompts "
@@ -221,7 +246,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--preset", choices=list(PRESETS), default="offline")
     b.add_argument("--gammas", default="1,2,4", help="comma-separated γ values for the draft model")
     b.add_argument("--lookup-gammas", default="2,4,8", help="comma-separated γ values for prompt lookup")
-    b.add_argument("--drafters", default="model,lookup", help="comma-separated: model, lookup")
+    b.add_argument("--eagle-gammas", default="2,3,4,6", help="comma-separated γ values for the EAGLE head")
+    b.add_argument("--drafters", default="model,lookup,eagle",
+                   help="comma-separated: model, lookup, eagle (eagle is skipped for a pair with no head)")
     b.add_argument("--policies", default="grow-shrink,expected",
                    help="adaptive γ policies to run with their defaults ('' for none)")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
@@ -262,13 +289,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .prompts import BENCHMARK_PROMPTS
 
     prompts = BENCHMARK_PROMPTS
-    gammas, lookup_gammas = _csv(args.gammas, int), _csv(args.lookup_gammas, int)
+    gammas, lookup_gammas, eagle_gammas = _csv(args.gammas, int), _csv(args.lookup_gammas, int), _csv(
+        args.eagle_gammas, int)
     temperatures = _csv(args.temperatures, float)
     drafters, policies = _csv(args.drafters), _csv(args.policies)
     max_new, repeats, batch = args.max_new_tokens, args.repeats, args.batch
     if args.quick:
         prompts = {"classic": BENCHMARK_PROMPTS["classic"][:1], "edit": BENCHMARK_PROMPTS["edit"][-1:]}
-        gammas, lookup_gammas, temperatures, max_new, repeats = [3], [3], [0.0], 24, 1
+        gammas, lookup_gammas, eagle_gammas, temperatures, max_new, repeats = [3], [3], [3], [0.0], 24, 1
         policies, batch = ["expected"], 2
     for d in drafters:
         if d not in DRAFTERS:
@@ -280,10 +308,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for c in step_caches:
         if c not in CACHE_KINDS:
             raise ValueError(f"--step-caches: {c!r} is not one of {', '.join(CACHE_KINDS)}")
-    for g in gammas + lookup_gammas:
+    for g in gammas + lookup_gammas + eagle_gammas:
         Settings(gamma=g, max_new_tokens=max_new, cache=args.cache).validate()
     pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if "eagle" in drafters and pair.head is None:
+        print("no EAGLE head for this pair: the eagle drafter is skipped", file=sys.stderr)
+        drafters.remove("eagle")
     command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
     steps = []
     if step_caches:
@@ -292,7 +323,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(step_table(steps), file=sys.stderr)
     rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
                       progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
-                      lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache, compile=args.compile)
+                      lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache, compile=args.compile,
+                      eagle_gammas=eagle_gammas)
     write_results(rows, environment(pair), args.out, command, steps=steps)  # kept even if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...

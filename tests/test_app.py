@@ -1,5 +1,6 @@
 """The web app through gradio_client, launched in-process on loopback with the offline pair."""
 
+import html
 import json
 import re
 import socket
@@ -99,6 +100,28 @@ def test_prompt_lookup_with_adaptive_gamma_shows_gamma_per_round(app_url):
     assert len(set(gammas)) > 1 and spec.n_accepted > 0  # the copy was found and γ moved
     figure = json.loads(fig_rounds["plot"])  # gr.Plot sends the Plotly JSON as a string
     assert next(t["y"] for t in figure["data"] if t["name"] == "γ drafted") == gammas
+
+
+def test_eagle_head_runs_and_names_its_origin(app_url):
+    client = Client(app_url, verbose=False)
+    status, _, _, diff, stats, *_rest, download, _race = call(client, temperature=0.0, drafter="eagle", gamma=3)
+    assert "done: 12 tokens" in status
+    spec, base = load_runs(download)
+    assert stat(stats, "drafter").startswith("EAGLE head eagle-smollm2-135m (specviz distill --kind eagle")
+    assert spec.meta.draft == html.unescape(stat(stats, "drafter")) and spec.n_accepted > 0
+    assert spec.events[0].draft_cache_len > len(spec.meta.prompt_ids) - 2  # entries up to the last real position
+
+
+def test_a_preset_brings_its_first_run_settings():
+    import app
+    from specviz.models import PRESETS
+
+    offline = PRESETS["offline"]
+    _, _, drafter, gamma, policy = app.preset_changed("offline")
+    assert (drafter["value"], gamma["value"], policy["value"]) == (offline.drafter, offline.gamma, offline.gamma_policy)
+    assert (app.FIRST_RUN.drafter, app.FIRST_RUN.gamma) == (offline.drafter, offline.gamma)
+    custom_target, *_ = app.preset_changed(app.CUSTOM)
+    assert custom_target["visible"] is True
 
 
 def test_batch_streams_one_row_per_prompt(app_url):

@@ -1,0 +1,286 @@
+"""A feature-level draft head: drafting from the target's own hidden states (EAGLE).
+
+EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty") and
+EAGLE-3 (Li et al. 2025): the target's last hidden state f_i at position i already summarises the
+context, so one decoder layer that reads it, with the embedding of the token after it, predicts
+the token after that. Entry i of the head is (f_i, x_{i+1}) at position i; its output h_i gives q
+for x_{i+2}. Drafting further, the head feeds its own output back in place of the target's
+feature: entry (h_i, d_{i+2}) at position i + 1 gives q for x_{i+3}, and so on.
+
+    g_i = fc(rms(f_i))                      target feature -> head space   (h_{i-1} when drafted)
+    x_i = in_proj([embed(x_{i+1}); g_i])    embed: the target's, frozen
+    h_i = mlp(attn(x_i)) with residuals     one Llama-style layer, RoPE, causal over the entries
+    q   = softmax(rms(h_i) @ W_out[vocab].T)  W_out: the target's output head, frozen
+
+The output covers a reduced vocabulary (FR-Spec; EAGLE-3): the target's most frequent tokens, so
+a head step multiplies by N x D weights, not V x D. q is 0 outside the subset, and the acceptance
+rule min(1, p/q) with the residual max(0, p - q) stays exact for any q: a token outside the subset
+is simply never drafted, and is reached through the residual.
+
+Training (distill.py, `--kind eagle`) unrolls the layer over its own outputs for a few steps
+("training-time test", EAGLE-3), so later draft positions see at training what they see when
+drafting. The inference path here is lean (plain tensor operations on a pre-allocated cache whose
+rollback is moving a length): a transformers module call per draft step would cost more than the
+head's arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from .leanllama import Linear
+
+CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
+
+
+@dataclass
+class HeadConfig:
+    feature: int  # F: width of the target's hidden states
+    embed: int  # E: width of the target's input embedding
+    width: int  # D: the head's width, the input width of the target's output head
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab_size: int  # the target's vocabulary the ids below index (checked on load)
+    draft_vocab: list[int]  # the target ids the head can draft (N of them)
+    target: str = ""  # what it was trained for
+    origin: str = ""  # how it was made, shown with the drafter's name
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.heads
+
+    @staticmethod
+    def for_target(target: PreTrainedModel, draft_vocab: list[int], vocab_size: int, intermediate: int,
+                   name: str = "") -> HeadConfig:
+        """The target's own attention shape where it fits the head's width, else one head per 64."""
+        feature = target.config.hidden_size
+        embed = target.get_input_embeddings().weight.shape[1]
+        width = target.get_output_embeddings().weight.shape[1]
+        heads = getattr(target.config, "num_attention_heads", 0)
+        kv = getattr(target.config, "num_key_value_heads", None) or heads
+        if not heads or width % heads or heads % kv or (width // heads) % 2:
+            heads = kv = max(1, width // 64) if width % 64 == 0 else 1
+        return HeadConfig(feature, embed, width, heads, kv, intermediate, vocab_size, list(draft_vocab), name)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm, fused (the weight cast to x's dtype, as under autocast x may be bf16)."""
+    return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
+
+
+def _rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., head_dim] for integer positions [...] (Llama's rotate-half convention)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[..., None] * inv  # [..., head_dim / 2]
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class EagleHead(nn.Module):
+    """The trainable weights; the target's embedding and output rows are bound, not owned."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        c = self.config = config
+        kv_width = c.kv_heads * c.head_dim
+        self.feature_norm = nn.Parameter(torch.ones(c.feature))
+        self.fc = nn.Linear(c.feature, c.width, bias=False)
+        self.in_proj = nn.Linear(c.embed + c.width, c.width, bias=False)
+        self.attn_norm = nn.Parameter(torch.ones(c.width))
+        self.qkv = nn.Linear(c.width, c.width + 2 * kv_width, bias=False)
+        self.o = nn.Linear(c.width, c.width, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(c.width))
+        self.gate_up = nn.Linear(c.width, 2 * c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, c.width, bias=False)
+        self.final_norm = nn.Parameter(torch.ones(c.width))
+        for lin in (self.fc, self.in_proj, self.qkv, self.o, self.gate_up, self.down):
+            nn.init.normal_(lin.weight, std=0.02)
+        self.register_buffer("draft_ids", torch.tensor(c.draft_vocab, dtype=torch.long), persistent=False)
+        self.embed_weight: torch.Tensor | None = None  # [V, E] the target's, frozen
+        self.out_weight: torch.Tensor | None = None  # [N, D] the target's output rows of draft_ids
+        self._lean: dict[str, Linear] | None = None
+
+    # -- binding and files ---------------------------------------------------------------------
+
+    def bind(self, target: PreTrainedModel, vocab_size: int) -> EagleHead:
+        """Use this target's embedding and output head; ValueError if the head was not made for it."""
+        c = self.config
+        emb, out = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        shapes = (target.config.hidden_size, emb.shape[1], out.shape[1])
+        if shapes != (c.feature, c.embed, c.width) or vocab_size != c.vocab_size:
+            raise ValueError(
+                f"this EAGLE head was trained for {c.target or 'another target'} (hidden {c.feature}, embedding "
+                f"{c.embed}, output {c.width}, vocabulary {c.vocab_size}); the target has hidden {shapes[0]}, "
+                f"embedding {shapes[1]}, output {shapes[2]}, vocabulary {vocab_size}")
+        self.embed_weight = emb.detach()
+        self.out_weight = out.detach()[self.draft_ids.to(out.device)]
+        self._lean = None
+        return self
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
+        save_file(weights, str(folder / WEIGHTS_FILE))
+        (folder / CONFIG_FILE).write_text(json.dumps(asdict(self.config)), encoding="utf-8")
+
+    @classmethod
+    def load(cls, folder: str | Path, target: PreTrainedModel, vocab_size: int) -> EagleHead:
+        """The head in `folder`, in the target's dtype and device, bound to the target."""
+        folder = Path(folder)
+        if not (folder / CONFIG_FILE).is_file():
+            raise ValueError(f"{folder} holds no EAGLE head ({CONFIG_FILE} missing); make one with "
+                             f"`python -m specviz distill --kind eagle`")
+        head = cls(HeadConfig(**json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))))
+        head.load_state_dict(load_file(str(folder / WEIGHTS_FILE)))
+        head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        return head.bind(target, vocab_size)
+
+    # -- one layer, two ways to attend ---------------------------------------------------------
+
+    def features_in(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states [..., F] -> the head's input space [..., D]."""
+        return self.fc(_rms(features, self.feature_norm, self.config.eps))
+
+    def _qkv(self, tokens, g, positions, lin):
+        c = self.config
+        x = lin["in_proj"](torch.cat([F.embedding(tokens, self.embed_weight), g], -1))  # [B, t, D]
+        qkv = lin["qkv"](_rms(x, self.attn_norm, c.eps))
+        q, k, v = qkv.split([c.width, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], -1)
+        shape = (*x.shape[:2], -1, c.head_dim)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))  # [B, heads, t, hd]
+        cos, sin = _rope(positions, c.head_dim, c.rope_theta)  # [B, t, hd]
+        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+        return x, _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _finish(self, x, attended, lin):
+        """x [B, t, D], attended [B, heads, t, hd] -> h [B, t, D], the layer's output."""
+        x = x + lin["o"](attended.transpose(1, 2).reshape(x.shape))
+        gate, up = lin["gate_up"](_rms(x, self.mlp_norm, self.config.eps)).chunk(2, -1)
+        return x + lin["down"](F.silu(gate) * up)
+
+    def logits(self, h: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        """h [..., D] -> logits [..., N] over the draft vocabulary, through the target's output rows."""
+        return self._linears(lean)["out"](_rms(h, self.final_norm, self.config.eps))
+
+    def _linears(self, lean: bool) -> dict:
+        if not lean:
+            out = self.out_weight
+            return {"in_proj": self.in_proj, "qkv": self.qkv, "o": self.o, "gate_up": self.gate_up,
+                    "down": self.down, "out": lambda h: h @ out.T}
+        if self._lean is None:  # weights pre-packed for the CPU's matmul library, as leanllama does
+            self._lean = {name: Linear(getattr(self, name).weight, None)
+                          for name in ("in_proj", "qkv", "o", "gate_up", "down")}
+            self._lean["out"] = Linear(self.out_weight, None)
+        return {name: (lambda x, lin=lin: lin(x, True)) for name, lin in self._lean.items()}
+
+    def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Teacher-forced, unrolled `steps` times over the head's own outputs (training-time test).
+
+        tokens [B, L] (x_0..x_{L-1}), features [B, L-1, F] (f_0..f_{L-2}). Returns, per step j = 1..steps,
+        h [B, L-1, D] where h[:, i] predicts x_{i+j+1} through `logits` (past the end: garbage, masked).
+        Step j's entry at i is (h^{j-1}_i, x_{i+j}) at position i + j - 1 and attends to the real
+        entries 0..i and to its own chain's entries at i of steps 2..j: what drafting sees.
+        """
+        c, lin = self.config, self._linears(False)
+        n = features.shape[1]
+        rep = c.heads // c.kv_heads
+        g = self.features_in(features)
+        causal = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        chain_k, chain_v, outputs = [], [], []
+        base = torch.arange(n, device=tokens.device).expand(tokens.shape[0], n)
+        for j in range(1, steps + 1):
+            step_tokens = F.pad(tokens[:, j:], (0, j - 1))  # x_{i+j}, padded past the end
+            x, q, k, v = self._qkv(step_tokens[:, :n], g, base + (j - 1), lin)
+            if j == 1:
+                real_k, real_v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            chain_k.append(k.repeat_interleave(rep, 1))
+            chain_v.append(v.repeat_interleave(rep, 1))
+            scale = 1 / math.sqrt(c.head_dim)
+            scores = (q @ real_k.transpose(-1, -2)) * scale  # [B, h, n, n]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            # the chain: entries of steps 2..j at the same i (step 1's is the diagonal above)
+            diag = [(q * ck).sum(-1, keepdim=True) * scale for ck in chain_k[1:]]  # each [B, h, n, 1]
+            weights = torch.cat([scores, *diag], -1).softmax(-1)
+            attended = weights[..., :n] @ real_v
+            for i, cv in enumerate(chain_v[1:]):
+                attended = attended + weights[..., n + i : n + i + 1] * cv
+            g = self._finish(x, attended, lin)
+            outputs.append(g)
+        return outputs
+
+    def step(self, cache: HeadCache, tokens: torch.Tensor, g: torch.Tensor, slots: torch.Tensor,
+             positions: torch.Tensor, lean: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write entries (g, token) [B, t] at cache slots [B, t] and attend over slots <= position.
+
+        Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N]."""
+        lin = self._linears(lean)
+        x, q, k, v = self._qkv(tokens, g, positions, lin)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        cache.keys[rows, slots] = k.transpose(1, 2)  # [B, t, kv, hd] into [B, C, kv, hd]
+        cache.values[rows, slots] = v.transpose(1, 2)
+        mask = cache.slot_index <= positions[..., None]  # [B, t, C]: entries are contiguous from 0
+        attended = F.scaled_dot_product_attention(
+            q, cache.keys.transpose(1, 2), cache.values.transpose(1, 2), attn_mask=mask[:, None],
+            enable_gqa=self.config.heads != self.config.kv_heads)
+        h = self._finish(x, attended, lin)
+        return h, self.logits(h, lean)
+
+
+def _slot_index(capacity: int, device: torch.device) -> torch.Tensor:
+    """What a query at position p compares with p: slot numbers, the scratch slot never <= p."""
+    index = torch.arange(capacity + 1, device=device)
+    index[-1] = torch.iinfo(torch.long).max
+    return index
+
+
+class HeadCache:
+    """Keys and values of B rows' entries, slots 0..C-1 plus a scratch slot C for padding writes.
+
+    Row b's real entries fill slots 0..lengths[b]-1, one per position; drafted entries go after
+    them and are forgotten by not moving the length (rollback is free)."""
+
+    def __init__(self, head: EagleHead, batch: int, capacity: int, like: torch.Tensor):
+        c = head.config
+        shape = (batch, capacity + 1, c.kv_heads, c.head_dim)
+        self.keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.values = torch.zeros_like(self.keys)
+        self.slot_index = _slot_index(capacity, like.device)
+        self.lengths = [0] * batch
+
+    @property
+    def scratch(self) -> int:
+        return self.keys.shape[1] - 1
+
+    def reserve(self, need: int) -> None:
+        """Grow (doubling) so that slots 0..need-1 exist."""
+        if need <= self.scratch:
+            return
+        capacity = max(need, 2 * self.scratch)
+        grow = capacity - self.scratch
+        self.keys = torch.cat([self.keys[:, :-1], self.keys.new_zeros(self.keys.shape[0], grow + 1,
+                                                                      *self.keys.shape[2:])], 1)
+        self.values = torch.cat([self.values[:, :-1], torch.zeros_like(self.keys[:, -grow - 1 :])], 1)
+        self.slot_index = _slot_index(capacity, self.keys.device)
+
+    def select(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, device=self.keys.device)
+        self.keys, self.values = self.keys[index], self.values[index]
+        self.lengths = [self.lengths[r] for r in rows]

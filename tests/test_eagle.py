@@ -1,0 +1,175 @@
+"""The EAGLE head (eagle.py, drafters.EagleDrafter, distill --kind eagle) on tiny targets:
+lossless like every drafter, the lean drafting path equal to the training forward, and the
+tiny training configuration that CI runs end to end."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from conftest import ARCHS, word_id, words
+from test_generator import exact_baseline_distribution
+
+from specviz import cli
+from specviz.distill import DistillConfig, distill_eagle
+from specviz.eagle import EagleHead, HeadCache, HeadConfig
+from specviz.generator import Settings, generate, generate_batch, speculative_events
+from specviz.models import load_pair
+from specviz.sampling import SamplingParams
+
+DRAFT_VOCAB = 30  # of the 43 ids: the head can never draft the other 13 (reached through the residual)
+
+
+def tiny_config(target, out, data_file=None) -> DistillConfig:
+    return DistillConfig(str(target), str(out), prompts_file=str(out.parent / "prompts.txt"), chat_template=False,
+                         new_tokens=16, gen_batch=16, max_steps=80, batch=8, lr=3e-3, holdout=0.2,
+                         draft_vocab=DRAFT_VOCAB, ttt_steps=2, head_intermediate=64, data_file=data_file)
+
+
+@pytest.fixture(scope="session")
+def eagle_dirs(pattern_dirs, tmp_path_factory):
+    """arch -> a head trained for a few seconds on the pattern target's own counting."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            target, _ = pattern_dirs(arch)
+            root = tmp_path_factory.mktemp(f"eagle-{arch}")
+            (root / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(36)))
+            cache[arch] = (distill_eagle(tiny_config(target, root / "head"), progress=lambda m: None), root / "head")
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def eagle_pair(pattern_dirs, eagle_dirs):
+    pairs = {}
+
+    def get(arch, dtype=torch.float32):
+        if (arch, dtype) not in pairs:
+            target, draft = pattern_dirs(arch)
+            pairs[arch, dtype] = load_pair(str(target), str(draft), device="cpu", dtype=dtype,
+                                           head=str(eagle_dirs(arch)[1]))
+        return pairs[arch, dtype]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eagle_greedy_equals_baseline(eagle_pair, arch):
+    pair = eagle_pair(arch)
+    settings = Settings(gamma=4, max_new_tokens=29, drafter="eagle")
+    spec = generate(pair, "", settings, prompt_ids=words(2, 3, 4))
+    base = generate(pair, "", settings, mode="baseline", prompt_ids=words(2, 3, 4))
+    assert spec.token_ids == base.token_ids
+    assert spec.meta.draft.startswith("EAGLE head")
+    # trained: drafts are kept; the reduced vocabulary and imperfect training give rejections too
+    assert spec.n_accepted > 0 and spec.n_rejected > 0
+    assert spec.events[0].draft_cache_len == 2  # entries for positions 0..L-2 of the 3-token prompt
+
+
+@pytest.mark.slow
+def test_eagle_distill_report(eagle_dirs):
+    report, folder = eagle_dirs("llama")
+    first, second = report["held_out_by_position"]
+    assert first["position"] == 1 and second["position"] == 2 and first["tokens"] > 50
+    # the counting language is easy: the head learnt it at both positions
+    assert first["greedy_agreement"] > 0.5 and second["greedy_agreement"] > 0.3
+    assert report["data"]["draft_vocab"] == DRAFT_VOCAB and 0 < report["data"]["held_out_vocab_coverage"] <= 1
+    saved = json.loads((folder / "eagle_config.json").read_text())
+    assert len(saved["draft_vocab"]) == DRAFT_VOCAB and (folder / "eagle_head.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_eagle_batch_rows_equal_single_runs(eagle_pair):
+    pair = eagle_pair("llama")
+    prompts = [words(2, 3, 4), words(10), words(20, 21, 22, 23, 24, 25), words(7, 8)]  # ragged; a 1-token prompt
+    for settings in (Settings(gamma=3, max_new_tokens=20, drafter="eagle"),
+                     Settings(gamma=3, max_new_tokens=20, drafter="eagle", temperature=1.0, seed=5)):
+        batch = generate_batch(pair, [""] * 4, settings, prompts_ids=prompts)
+        singles = [generate(pair, "", settings, prompt_ids=p) for p in prompts]
+        assert [r.token_ids for r in batch] == [r.token_ids for r in singles]
+    one_token = singles[1]
+    assert one_token.events[0].gamma == 0  # nothing to draft from before the target's first feature
+
+
+def test_lean_drafting_equals_the_training_forward(eagle_pair):
+    """What the drafter computes step by step equals the unrolled training forward: the real
+    entries (step 1) and a drafted entry fed the head's own output (step 2)."""
+    pair = eagle_pair("llama", torch.float64)
+    head = pair.head
+    tokens = torch.tensor([words(3, 4, 5, 6, 7, 8)])  # [1, L]
+    with torch.no_grad():
+        out = pair.target(input_ids=tokens, output_hidden_states=True)
+        feats = out.hidden_states[-1][:, :-1]  # f_0..f_{L-2}
+        train_h = head.forward_train(tokens, feats, steps=2)
+        cache = HeadCache(head, 1, 16, like=feats)
+        positions = torch.arange(5)[None]
+        h, logits = head.step(cache, tokens[:, 1:], head.features_in(feats), positions, positions)
+        torch.testing.assert_close(h, train_h[0])
+        torch.testing.assert_close(logits, head.logits(train_h[0]))
+        # step 2 at entry i = 2: (h_2, x_4) at position 3, after the real entries 0..2
+        cache.lengths = [3]
+        h2, _ = head.step(cache, tokens[:, 4:5], h[:, 2:3], torch.tensor([[3]]), torch.tensor([[3]]))
+        torch.testing.assert_close(h2[:, 0], train_h[1][:, 2])
+
+
+@pytest.mark.slow
+def test_eagle_sampled_output_follows_the_target(random_pair):
+    """A random head whose vocabulary misses some of the target's tokens: 20 000 runs, the first
+    two tokens follow the target's exact law (total variation < 0.03, noise alone about 0.015)."""
+    target, vocab = random_pair.target, random_pair.vocab_size
+    torch.manual_seed(0)
+    config = HeadConfig.for_target(target, [word_id(k) for k in (0, 1, 2, 5)], vocab, 16)
+    head = EagleHead(config)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    pair = random_pair.__class__(**{**random_pair.__dict__, "head": head.to(torch.float64).bind(target, vocab),
+                                    "head_name": "random"})
+    params = SamplingParams(0.9, top_k=7, top_p=0.95)
+    prompt = words(1, 2)
+    exact = exact_baseline_distribution(pair, prompt, params)
+    n, counts, accepted = 20_000, Counter(), 0
+    for seed in range(n):
+        settings = Settings(gamma=2, temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=2, record_top=0,
+                            drafter="eagle", seed=seed)
+        events = list(speculative_events(pair, prompt, settings))
+        accepted += sum(e.n_accepted for e in events)
+        ids = [t for e in events for t in e.new_tokens]
+        counts[tuple(ids[:2])] += 1
+    assert accepted > 1000  # the rule ran both ways
+    tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)
+    assert tv < 0.03, f"total variation {tv:.4f}"
+
+
+def test_eagle_needs_a_head_and_the_right_target(pattern_pair, random_pair, eagle_dirs):
+    pair = pattern_pair("llama")  # loaded without a head
+    with pytest.raises(ValueError, match="needs a head"):
+        generate(pair, "w1 w2", Settings(drafter="eagle"))
+    _, head_dir = eagle_dirs("llama")
+    with pytest.raises(ValueError, match="trained for"):  # another vocabulary
+        EagleHead.load(head_dir, random_pair.target, random_pair.vocab_size)
+
+
+@pytest.mark.slow
+def test_cli_distill_eagle_then_generate(pattern_dirs, eagle_dirs, tmp_path, capsys):
+    """The tiny configuration through the command line, reusing the fixture's data file."""
+    target, draft = pattern_dirs("llama")
+    (tmp_path / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(20)))
+    out = tmp_path / "head"
+    argv = ["distill", "--kind", "eagle", "--target", str(target), "--out", str(out), "--prompts-file",
+            str(tmp_path / "prompts.txt"), "--no-chat-template", "--new-tokens", "12", "--gen-batch", "16",
+            "--max-steps", "20", "--batch", "8", "--draft-vocab", "30", "--ttt-steps", "2",
+            "--head-intermediate", "32", "--data-file", str(tmp_path / "data.pt"), "--temperatures", "0"]
+    assert cli.main(argv) == 0
+    assert "held-out greedy agreement by draft position" in capsys.readouterr().out
+    assert (tmp_path / "data.pt").exists()
+    report = json.loads((out / "distill_report.json").read_text())
+    assert report["training"]["steps"] == 20 and report["data"]["answers"] == 20  # one temperature
+    assert cli.main(["generate", "--target", str(target), "--draft", str(draft), "--head", str(out), "--drafter",
+                     "eagle", "--prompt", "w3 w4 w5", "--no-chat-template", "--max-new-tokens", "8",
+                     "--compare", "--color", "never"]) == 0
+    printed = capsys.readouterr().out
+    assert "EAGLE head head" in printed and "identical to the baseline" in printed
