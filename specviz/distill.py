@@ -249,45 +249,57 @@ def eagle_loss(head, samples: list[FeatureSample], steps: int, to_draft: torch.T
     return total, stats
 
 
-def train_eagle(head, train_set: list[FeatureSample], cfg: DistillConfig, to_draft: torch.Tensor, device,
-                progress: Progress) -> dict:
-    """AdamW with warm-up and cosine decay, in bf16 autocast where the hardware has it, for
-    cfg.train_minutes (or cfg.max_steps), every sample once per epoch."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    rng = random.Random(cfg.seed)
-    fast_bf16 = resolve_dtype("auto", device) == torch.bfloat16
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast_bf16)
+def fit(params: list[torch.nn.Parameter], cfg: DistillConfig, batch_loss: Callable[[], tuple[torch.Tensor, int, str]],
+        progress: Progress, floor: float, betas: tuple[float, float]) -> dict:
+    """AdamW for cfg.train_minutes (or cfg.max_steps): linear warm-up over the first 3 %, then cosine
+    down to `floor` x cfg.lr; gradients clipped at 1. batch_loss() gives the next batch's loss, its
+    labelled tokens, and a few words on it for the progress line (one a minute)."""
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=betas)
     budget, start, step, seen, last_report = cfg.train_minutes * 60, time.perf_counter(), 0, 0, 0.0
-    order: list[int] = []
-    head.train()
     while True:
         elapsed = time.perf_counter() - start
         frac = elapsed / budget if not cfg.max_steps else step / cfg.max_steps
         if frac >= 1.0:
             break
-        scale = min(1.0, frac / 0.03) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        scale = min(1.0, frac / 0.03) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = cfg.lr * scale
-        if len(order) < cfg.batch:  # epochs: every sample once before any twice
-            order += rng.sample(range(len(train_set)), len(train_set))
-        batch, order = [train_set[i] for i in order[: cfg.batch]], order[cfg.batch :]
-        with autocast:
-            loss, stats = eagle_loss(head, batch, cfg.ttt_steps, to_draft, device)
+        loss, tokens, note = batch_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        seen += stats[0]["tokens"]
+        seen += tokens
         if elapsed - last_report > 60 or step == 1:
             last_report = elapsed
-            by_position = ", ".join(f"{s['agreement']:.0%}" for s in stats)
-            progress(f"train: step {step}, {elapsed / 60:.1f} min, {seen} tokens, loss {loss.item():.3f}, batch "
-                     f"agreement by draft position {by_position}")
+            progress(f"train: step {step}, {elapsed / 60:.1f} min, {seen} tokens, loss {loss.item():.3f}, {note}")
+    return {"steps": step, "tokens_seen": seen, "train_s": round(time.perf_counter() - start, 1)}
+
+
+def train_eagle(head, train_set: list[FeatureSample], cfg: DistillConfig, to_draft: torch.Tensor, device,
+                progress: Progress) -> dict:
+    """Every sample once per epoch, in bf16 autocast where the hardware has it."""
+    rng = random.Random(cfg.seed)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=resolve_dtype("auto", device) == torch.bfloat16)
+    order: list[int] = []
+
+    def batch_loss():
+        nonlocal order
+        if len(order) < cfg.batch:
+            order += rng.sample(range(len(train_set)), len(train_set))
+        batch, order = [train_set[i] for i in order[: cfg.batch]], order[cfg.batch :]
+        with autocast:
+            loss, stats = eagle_loss(head, batch, cfg.ttt_steps, to_draft, device)
+        by_position = ", ".join(f"{s['agreement']:.0%}" for s in stats)
+        return loss, stats[0]["tokens"], f"batch agreement by draft position {by_position}"
+
+    head.train()
+    result = fit([p for p in head.parameters() if p.requires_grad], cfg, batch_loss, progress, 0.05, (0.9, 0.95))
     head.eval()
-    return {"steps": step, "tokens_seen": seen, "train_s": round(time.perf_counter() - start, 1),
-            "epochs": round(seen / max(1, sum(len(s.top_ids) for s in train_set)), 2)}
+    result["epochs"] = round(result["tokens_seen"] / max(1, sum(len(s.top_ids) for s in train_set)), 2)
+    return result
 
 
 @torch.no_grad()
@@ -359,33 +371,16 @@ def soft_cross_entropy(draft, samples: list[Sample], vocab_size: int, device) ->
 
 def train(draft, train_set: list[Sample], cfg: DistillConfig, vocab_size: int, device, progress: Progress) -> dict:
     draft.to(device).train()
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
     rng = random.Random(cfg.seed)
-    budget = cfg.train_minutes * 60
-    start, step, seen, last_report = time.perf_counter(), 0, 0, 0.0
-    while True:
-        elapsed = time.perf_counter() - start
-        frac = elapsed / budget if not cfg.max_steps else step / cfg.max_steps
-        if frac >= 1.0:
-            break
-        # linear warm-up over the first 3 %, then cosine down to a tenth
-        scale = min(1.0, frac / 0.03) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr * scale
-        loss, stats = soft_cross_entropy(draft, rng.sample(train_set, min(cfg.batch, len(train_set))),
-                                         vocab_size, device)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        step += 1
-        seen += stats["tokens"]
-        if elapsed - last_report > 30 or step == 1:
-            last_report = elapsed
-            progress(f"train: step {step}, {elapsed / 60:.1f} min, loss {loss.item():.3f}, "
-                     f"batch agreement {stats['agreement']:.1%}")
+
+    def batch_loss():
+        loss, stats = soft_cross_entropy(draft, rng.sample(train_set, min(cfg.batch, len(train_set))), vocab_size,
+                                         device)
+        return loss, stats["tokens"], f"batch agreement {stats['agreement']:.1%}"
+
+    result = fit(list(draft.parameters()), cfg, batch_loss, progress, 0.1, (0.9, 0.98))
     draft.eval()
-    return {"steps": step, "tokens_seen": seen, "train_s": time.perf_counter() - start}
+    return result
 
 
 @torch.inference_mode()
