@@ -66,8 +66,13 @@ def test_page_shows_coloured_tokens_charts_and_hover(app_url):
         page.get_by_text("Batch: several prompts decoded together").click()
         batch_prompts = page.locator("#batch-prompts textarea")
         expect(batch_prompts).to_have_value(re.compile("---"))  # mounted with its example batch
-        batch_prompts.fill("The future of AI\n---\nHappy Birthday lyrics")
-        expect(batch_prompts).to_have_value("The future of AI\n---\nHappy Birthday lyrics")
+        wanted = "The future of AI\n---\nHappy Birthday lyrics"
+        for _ in range(10):  # the panel's first render can put its example back over a fill: fill again
+            batch_prompts.fill(wanted)
+            page.wait_for_timeout(300)
+            if batch_prompts.input_value() == wanted:
+                break
+        expect(batch_prompts).to_have_value(wanted)
         page.locator("#batch-btn").click()
         page.wait_for_function("/done|Error/.test(document.querySelector('#batch-status').innerText)",
                                timeout=300_000)
