@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from .eagle import EagleHead, HeadConfig
 from .kvcache import KVState
 from .models import encode_prompt, eos_ids_of, load_model, resolve_device, resolve_dtype
 from .prompts import training_prompts
@@ -417,11 +418,9 @@ def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str],
     return samples, seconds
 
 
-def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
-    """An EAGLE head for cfg.target (eagle.py): data from the target itself, training with the
-    training-time test, held-out scores by draft position; saved with its report in cfg.out."""
-    from .eagle import EagleHead, HeadConfig
-
+def _target_and_prompts(cfg: DistillConfig, progress: Progress):
+    """(device, target, tokenizer, vocabulary size, prompts): the target in bf16 where the hardware
+    has it (generation; training is float32 or autocast)."""
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     target, tokenizer = load_model(cfg.target, device, resolve_dtype("auto", device), progress)
@@ -429,6 +428,13 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
     prompts = load_prompts(cfg)
     if len(prompts) < 2:
         raise ValueError("distillation needs at least 2 prompts")
+    return device, target, tokenizer, vocab_size, prompts
+
+
+def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
+    """An EAGLE head for cfg.target (eagle.py): data from the target itself, training with the
+    training-time test, held-out scores by draft position; saved with its report in cfg.out."""
+    device, target, tokenizer, vocab_size, prompts = _target_and_prompts(cfg, progress)
     samples, data_s = _load_or_generate(cfg, target, tokenizer, prompts, vocab_size, progress)
     per_prompt = len(cfg.temperatures)  # held out by prompt: no answer to a held-out prompt is trained on
     n_held = max(1, int(len(prompts) * cfg.holdout)) * per_prompt
@@ -473,14 +479,7 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
 
 def distill(cfg: DistillConfig, progress: Progress = print) -> dict:
     """The whole recipe; saves the draft (bf16 safetensors, tokenizer, report) in cfg.out."""
-    device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    # bf16 generation where the hardware has it; training always in float32
-    target, tokenizer = load_model(cfg.target, device, resolve_dtype("auto", device), progress)
-    vocab_size = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
-    prompts = load_prompts(cfg)
-    if len(prompts) < 2:
-        raise ValueError("distillation needs at least 2 prompts")
+    device, target, tokenizer, vocab_size, prompts = _target_and_prompts(cfg, progress)
     t0 = time.perf_counter()
     samples = generate_data(target, tokenizer, prompts, cfg, progress)
     data_s = time.perf_counter() - t0

@@ -26,6 +26,7 @@ head's arithmetic.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -115,7 +116,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_ids", torch.tensor(c.draft_vocab, dtype=torch.long), persistent=False)
         self.embed_weight: torch.Tensor | None = None  # [V, E] the target's, frozen
         self.out_weight: torch.Tensor | None = None  # [N, D] the target's output rows of draft_ids
-        self._lean: dict[str, Linear] | None = None
+        self._lean: dict | None = None  # name -> packed linear, built on first drafting step
 
     # -- binding and files ---------------------------------------------------------------------
 
@@ -186,10 +187,11 @@ class EagleHead(nn.Module):
             return {"in_proj": self.in_proj, "qkv": self.qkv, "o": self.o, "gate_up": self.gate_up,
                     "down": self.down, "out": lambda h: h @ out.T}
         if self._lean is None:  # weights pre-packed for the CPU's matmul library, as leanllama does
-            self._lean = {name: Linear(getattr(self, name).weight, None)
-                          for name in ("in_proj", "qkv", "o", "gate_up", "down")}
-            self._lean["out"] = Linear(self.out_weight, None)
-        return {name: (lambda x, lin=lin: lin(x, True)) for name, lin in self._lean.items()}
+            packed = {name: Linear(getattr(self, name).weight, None)
+                      for name in ("in_proj", "qkv", "o", "gate_up", "down")}
+            packed["out"] = Linear(self.out_weight, None)
+            self._lean = {name: functools.partial(lin, packed=True) for name, lin in packed.items()}
+        return self._lean
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Teacher-forced, unrolled `steps` times over the head's own outputs (training-time test).
@@ -274,10 +276,8 @@ class HeadCache:
         if need <= self.scratch:
             return
         capacity = max(need, 2 * self.scratch)
-        grow = capacity - self.scratch
-        self.keys = torch.cat([self.keys[:, :-1], self.keys.new_zeros(self.keys.shape[0], grow + 1,
-                                                                      *self.keys.shape[2:])], 1)
-        self.values = torch.cat([self.values[:, :-1], torch.zeros_like(self.keys[:, -grow - 1 :])], 1)
+        grow = (0, 0, 0, 0, 0, capacity - self.scratch)  # more slots on dim 1; a fresh scratch slot last
+        self.keys, self.values = F.pad(self.keys, grow), F.pad(self.values, grow)
         self.slot_index = _slot_index(capacity, self.keys.device)
 
     def select(self, rows: list[int]) -> None:
