@@ -10,9 +10,10 @@ oneDNN, about twice as fast as a plain `F.linear` at batch 1.
 Compiled (`compile=True`): torch.compile (inductor) of the same module at fixed shapes, so that a
 handful of graphs serve every γ: a forward of t tokens is padded with holes to the next width in
 WIDTHS, attention always spans the whole cache (its capacity rounded up to CAPACITY_STEP), and
-the slots to write are a tensor. On a CPU inductor's `freezing` packs the weights itself; on CUDA
-the graphs are replayed as CUDA graphs. Graphs are cached on disk under the specviz cache folder
-(TORCHINDUCTOR_CACHE_DIR), so a second start skips most of the work. If compiling fails (no C++
+the slots to write are a tensor. On a CPU the graph calls the same pre-packed matmuls as one
+opaque operator each (`packed_linear`), so its weights stay inputs and the graph can be cached on
+disk under the specviz cache folder (TORCHINDUCTOR_CACHE_DIR): a second start loads it instead of
+compiling again. On CUDA the graphs are replayed as CUDA graphs. If compiling fails (no C++
 compiler, an unsupported operator), the model falls back to the eager forward and says why.
 
 It reuses the model's own rotary embedding module (so RoPE scaling variants are the model's) and
@@ -25,10 +26,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
 from .kvcache import slot_mask
@@ -54,12 +57,10 @@ def _packing(weight: torch.Tensor) -> str:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b; eagerly through W pre-packed for the CPU's matmul library where that is
-    faster, compiled through plain W (inductor packs it)."""
+    """y = x W^T + b, through W pre-packed for the CPU's matmul library where that is faster."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        # parameters, not buffers: inductor's freezing turns parameters into constants it can pack
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.packing = _packing(self.weight)
@@ -69,11 +70,37 @@ class Linear(nn.Module):
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, MKL_ROWS)
 
     def forward(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
-        if packed and self.packing == "mkldnn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if packed and self.packing == "mkl" and x.shape[:-1].numel() == MKL_ROWS:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, MKL_ROWS)
-        return F.linear(x, self.weight, self.bias)
+        if not packed or not self.packing:
+            return F.linear(x, self.weight, self.bias)
+        linear = packed_linear if torch.compiler.is_compiling() else _packed_linear  # see packed_linear
+        return linear(x, self.packed, self.weight, self.bias, self.packing)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   packing: str) -> torch.Tensor:
+    """x W^T + b through W pre-packed for oneDNN or MKL."""
+    if packing == "mkldnn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if x.shape[:-1].numel() == MKL_ROWS:
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, MKL_ROWS)
+    return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("specviz::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packing: str) -> torch.Tensor:
+    """The same, as one opaque operator for compiled graphs: inductor can only lower oneDNN's
+    packed linear with its own packing, which needs frozen weights, and graphs with frozen
+    weights are never cached on disk (they hold oneDNN tensors, which do not pickle), so every
+    start would compile again. With our packing as an opaque call the graph takes the weights
+    as inputs and is cached, and in bf16 it runs about as fast as the frozen graph did
+    (BENCHMARKS.md, "Compiled forwards")."""
+    return _packed_linear(x, packed, weight, bias, packing)
+
+
+@packed_linear.register_fake
+def _(x, packed, weight, bias, packing):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def _fused(*linears: nn.Linear) -> Linear:
@@ -194,8 +221,7 @@ class LeanLlama(nn.Module):
                 self.compile_note = "no C++ compiler found (inductor needs one on a CPU)"
             else:
                 _use_our_inductor_cache()
-                # the module itself, not its bound forward, so that its weights can be frozen (see
-                # run_compiled); kept out of the module tree, since it wraps this module
+                # kept out of the module tree, since it wraps this module
                 options = {"triton.cudagraphs": device.type == "cuda"}
                 # dynamo keeps at most recompile_limit graphs per function, and the target and the
                 # draft share this forward: each needs one graph per width, so make room
@@ -208,21 +234,24 @@ class LeanLlama(nn.Module):
     def run_compiled(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One compiled forward, or None after giving up on compiling (the caller runs eager)."""
         ids, keys = args[0], args[4]
-        shape = (tuple(ids.shape), tuple(keys[0].shape), args[8])
-        if shape not in self.compiled_shapes:
-            log.warning("specviz: compiling %s for %d token(s) per forward (first time: about a minute on a "
-                        "small CPU; cached on disk in %s)", self.name, ids.shape[1],
+        shape = (tuple(ids.shape), tuple(keys[0].shape))
+        new = shape not in self.compiled_shapes
+        if new:
+            log.warning("specviz: preparing the compiled forward of %s for %d token(s) (compiling takes about "
+                        "a minute on a small CPU; later starts load it from %s)", self.name, ids.shape[1],
                         os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+            started, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
         try:
-            # freezing: weights become constants that inductor pre-packs. It must be on while a graph
-            # compiles, which happens inside a call (as an option to torch.compile it is not seen).
-            with torch._inductor.config.patch(freezing=True):
-                out = self.compiled(*args)
+            out = self.compiled(*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, and say why
             self.__dict__["compiled"] = None
             self.compile_note = f"compiling failed ({type(err).__name__}: {err})"[:500]
             log.warning("specviz: %s; %s runs eager", self.compile_note, self.name)
             return None
+        if new:
+            loaded = counters["inductor"]["fxgraph_cache_hit"] > hits
+            log.warning("specviz: ready in %.1f s (%s)", time.perf_counter() - started,
+                        "loaded from the disk cache" if loaded else "compiled")
         self.compiled_shapes.add(shape)
         return out
 
@@ -264,12 +293,13 @@ class LeanCache:
             real = F.pad(real, (0, pad))
             self._reserve(batch, start + width, self.lean.embed.weight)
             slots = torch.arange(start, start + width, device=ids.device)
+            # hidden states always: one graph per width serves drafters that read them and those that do not
             args = (ids, positions, slot_mask(real, start, self.capacity), slots, self.keys, self.values,
-                    self.capacity, False, hidden)
+                    self.capacity, True, True)
             out = self.lean.run_compiled(args)
             if out is not None:  # the graph ran all padded positions: the real ones are the first t
                 logits, h = out
-                return logits[:, t - 1 : t] if last_only else logits[:, :t], None if h is None else h[:, :t]
+                return logits[:, t - 1 : t] if last_only else logits[:, :t], h[:, :t] if hidden else None
             ids, positions, real = ids[:, :t], positions[:, :t], real[:, : start + t]
         end = start + t
         self._reserve(batch, end, self.lean.embed.weight)

@@ -70,3 +70,25 @@ def test_other_architectures_run_eager_with_a_note(pattern_pair, caplog):
     eager = generate(pattern_pair("gpt2"), "", Settings(gamma=2, max_new_tokens=6), prompt_ids=PROMPTS[0])
     assert run.token_ids == eager.token_ids
     assert "applies to the static cache of Llama-family models" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_the_compiled_graphs_from_disk(pattern_dirs, tmp_path):
+    """Two processes, one cache folder: the first compiles, the second loads (in bf16, through
+    the pre-packed oneDNN linears where the CPU has them)."""
+    import os
+    import subprocess
+    import sys
+
+    target, draft = pattern_dirs("llama")
+    env = {**os.environ, "SPECVIZ_CACHE": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    command = [sys.executable, "-m", "specviz", "generate", "--target", str(target), "--draft", str(draft),
+               "--drafter", "model", "--prompt", "a b c", "--no-chat-template", "--gamma", "1",
+               "--max-new-tokens", "3", "--compile", "--dtype", "bfloat16", "--device", "cpu", "--color", "never"]
+    logs = [subprocess.run(command, env=env, capture_output=True, text=True, timeout=600) for _ in range(2)]
+    assert all(log.returncode == 0 for log in logs), logs[-1].stderr[-2000:]
+    first, second = (log.stderr for log in logs)
+    assert "(compiled)" in first and "loaded from the disk cache" not in first, first[-2000:]
+    assert "(loaded from the disk cache)" in second and "(compiled)" not in second, second[-2000:]
+    assert (tmp_path / "inductor").is_dir()
