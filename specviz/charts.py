@@ -9,9 +9,12 @@ Every figure sets layout.uirevision, so a chart redrawn each round keeps the vie
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .events import DraftedToken, Run
+
+if TYPE_CHECKING:
+    from .lossless import SampleCheck
 from .theory import cost_ratio, speedup_bound
 
 COLOURS = {"accepted": "#1a9850", "rejected": "#d73027", "correction": "#2166ac", "bonus": "#8e44ad",
@@ -59,16 +62,71 @@ def tokens_per_round(run: Run | None) -> PlotlySpec:
 
 
 def tokens_over_time(spec: Run | None, baseline: Run | None = None) -> PlotlySpec:
+    """Tokens over wall time for both runs, and (right axis) what each target forward pass cost:
+    flat with a KV cache, rising with the text without one (cache "none" recomputes it all)."""
     traces = []
     for run, name in [(spec, "speculative"), (baseline, "baseline")]:
         if run and run.events:
+            label = f"{name} (no KV cache: recomputing)" if run.meta.cache == "none" else name
             traces.append({
-                "type": "scatter", "mode": "lines+markers", "name": name,
+                "type": "scatter", "mode": "lines+markers", "name": label,
                 "x": [0.0] + [e.elapsed_ms / 1000 for e in run.events],
                 "y": [0] + [e.tokens_so_far for e in run.events],
                 "line": {"color": COLOURS[name], "shape": "hv"},
             })
-    return _figure(traces, "Tokens generated over wall time", "seconds", "tokens", "time")
+            traces.append({
+                "type": "scatter", "mode": "lines", "name": f"{name}: ms per target pass", "yaxis": "y2",
+                "x": [e.elapsed_ms / 1000 for e in run.events], "y": [e.verify_ms for e in run.events],
+                "line": {"color": COLOURS[name], "dash": "dot", "width": 1},
+            })
+    return _figure(traces, "Tokens generated over wall time", "seconds", "tokens", "time",
+                   yaxis2={"title": {"text": "ms per target pass"}, "overlaying": "y", "side": "right",
+                           "rangemode": "tozero", "showgrid": False},
+                   margin={"l": 50, "r": 50, "t": 40, "b": 40})
+
+
+def cache_lengths(run: Run | None) -> PlotlySpec:
+    """Both KV caches per round: what each held after the round's rollback, the positions written
+    this round and rolled back (marked), and the target's length before the round.
+
+    Derived from the events: the target holds the text but its last token, its verify pass
+    appends that token and the g drafts, and the rollback keeps the n accepted. A draft model
+    writes d_1..d_{g-1} and keeps the accepted ones; an EAGLE head's drafted entries are always
+    dropped (the target's real features replace them next round). Without a KV cache
+    (cache "none") nothing is kept: every forward recomputes the whole text, shown as such.
+    """
+    events = run.events if run else []
+    x = [e.index + 1 for e in events]
+    before, start = [], (len(run.meta.prompt_ids) - 1 if run else 0)
+    for e in events:
+        before.append(start)
+        start = e.target_cache_len
+    verified = [b + len(e.drafted) + 1 for b, e in zip(before, events, strict=True)]
+    kept = [e.target_cache_len for e in events]
+    traces: list[dict[str, Any]] = []
+
+    def bars(name: str, group: str, y: list[int], base: list[int] | None, colour: str, **more: Any) -> None:
+        traces.append({"type": "bar", "name": name, "x": x, "y": y, "offsetgroup": group,
+                       "marker": {"color": colour, **more.pop("marker", {})}, **({"base": base} if base else {}),
+                       **more})
+
+    bars("target: kept", "target", kept, None, COLOURS["correction"])
+    bars("target: rolled back", "target", [v - k for v, k in zip(verified, kept, strict=True)], kept,
+         COLOURS["rejected"], marker={"pattern": {"shape": "/"}})
+    drafter = run.meta.drafter if run else ""
+    if drafter in ("model", "eagle") and any(e.draft_cache_len for e in events):
+        draft_kept = [e.draft_cache_len for e in events]
+        dropped = [max(0, len(e.drafted) - 1 - (0 if drafter == "eagle" else e.n_accepted)) for e in events]
+        bars(f"{'draft' if drafter == 'model' else 'EAGLE head'}: kept", "draft", draft_kept, None,
+             COLOURS["accepted"])
+        bars("drafted, then dropped", "draft", dropped, draft_kept, COLOURS["rejected"],
+             marker={"pattern": {"shape": "x"}})
+    traces.append({"type": "scatter", "mode": "lines", "name": "target before the round", "x": x, "y": before,
+                   "line": {"color": COLOURS["baseline"], "shape": "hvh", "dash": "dot"}})
+    title = "KV caches per round: kept, and rolled back"
+    if run and run.meta.cache == "none":
+        title = "No KV cache: every forward recomputes the whole text (the bars)"
+    return _figure(traces, title, "round", "tokens in the cache", "caches", barmode="group")
 
 
 def acceptance_by_position(run: Run | None) -> PlotlySpec:
@@ -108,6 +166,23 @@ def speedup_curve(spec: Run | None, baseline: Run | None = None, max_gamma: int 
                            "marker": {"size": 12, "color": COLOURS["speculative"]}})
     return _figure(traces, "Speedup: measured against the Leviathan bound", "γ (tokens drafted per round)",
                    "speedup over the baseline", "speedup", shapes=shapes)
+
+
+def sample_histogram(check: SampleCheck | None) -> PlotlySpec:
+    """The first token's exact distribution beside the shares of speculative and target-alone draws."""
+    if check is None:
+        return _figure([], "Sample N times: the draws against the exact distribution", "", "probability", "sample")
+    names = [c.text if c.id < 0 else repr(c.text) for c in check.top]
+
+    def bar(name: str, y: list[float], colour: str) -> dict[str, Any]:
+        return {"type": "bar", "name": name, "x": names, "y": y, "marker": {"color": colour}}
+
+    traces = [bar("exact p (target)", [c.exact for c in check.top], COLOURS["theory"]),
+              bar(f"speculative, {check.n} draws", [c.speculative for c in check.top], COLOURS["speculative"]),
+              bar(f"target alone, {check.n} draws", [c.target_alone for c in check.top], COLOURS["baseline"])]
+    title = (f"First token, {check.n} draws each: TV to exact {check.tv_speculative:.3f} (speculative), "
+             f"{check.tv_target_alone:.3f} (target alone); noise alone ≈ {check.tv_noise:.3f}")
+    return _figure(traces, title, "token", "probability", "sample", barmode="group")
 
 
 def token_inspector(token: DraftedToken | None, label: str = "") -> PlotlySpec:

@@ -54,7 +54,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--draft-greedy", action="store_true",
+                   help="with temperature > 0: the drafter proposes its argmax and the rule takes q as one-hot "
+                        "(still exact; usually accepts more)")
     g.add_argument("--max-new-tokens", type=int, default=64, help=f"1..{MAX_NEW_TOKENS} (default 64)")
+    g.add_argument("--sample-check", type=int, metavar="N",
+                   help="instead of generating: draw the first token N times with speculation and N times from the "
+                        "target alone and compare both with the exact distribution (needs --temperature > 0)")
     g.add_argument("--compare", action="store_true", help="also run the plain target and report the speedup")
     g.add_argument("--trace", metavar="OUT.json", help="save the run(s) as JSON for replay")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -62,8 +68,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="KV cache of both models: static (pre-allocated, rollback moves a length; default), "
                         "dynamic (transformers' DynamicCache), none (recompute the whole sequence every forward)")
     g.add_argument("--compile", action="store_true", default=compile_by_default(),
-                   help="torch.compile the static cache's forward (Llama-family models; graphs cached on disk; "
-                        "the first run compiles for a minute or more). Default: on if SPECVIZ_COMPILE=1")
+                   help="torch.compile the static cache's forward (Llama-family models; graphs cached on disk: "
+                        "the first start compiles for a minute or two, later starts load them). Default: on if "
+                        "SPECVIZ_COMPILE=1")
     g.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     g.add_argument("--color", choices=["auto", "always", "never"], default="auto")
@@ -77,6 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gamma=gamma, gamma_policy=args.gamma_policy or first_run.gamma_policy, gamma_max=max(args.gamma_max, gamma),
         drafter=args.drafter or first_run.drafter, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, cache=args.cache, compile=args.compile,
+        draft_greedy=args.draft_greedy,
     )
     settings.validate()
     for prompt in args.prompt:
@@ -94,6 +102,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_fits(pair, ids, settings)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     out = sys.stdout
+    if args.sample_check is not None:
+        return _sample_check(pair, args.prompt[0], settings, args.sample_check, not args.no_chat_template, out)
     if len(args.prompt) > 1:
         return _generate_batch(pair, args, prompts_ids, settings, colour, out)
     prompt, prompt_ids = args.prompt[0], prompts_ids[0]
@@ -165,6 +175,24 @@ def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings
     if args.trace:
         save_runs(args.trace, runs)
         print(f"trace saved to {args.trace}", file=out)
+    return 0
+
+
+def _sample_check(pair, prompt: str, settings: Settings, n: int, chat_template: bool, out) -> int:
+    from .lossless import sample_check
+
+    print(_pair_line(pair, settings), file=out)
+    check = sample_check(pair, prompt, settings, n, chat_template=chat_template)
+    print(f"first token, {n} + {n} draws in {check.speculative_s + check.target_alone_s:.1f} s "
+          f"(speculative {check.speculative_s:.1f} s, target alone {check.target_alone_s:.1f} s)", file=out)
+    print(f"{'token':>16}  exact p  speculative  target alone", file=out)
+    for c in check.top:
+        name = c.text if c.id < 0 else repr(c.text)
+        print(f"{name[:16]:>16}  {c.exact:7.4f}  {c.speculative:11.4f}  {c.target_alone:12.4f}", file=out)
+    print(f"total variation to exact: speculative {check.tv_speculative:.4f}, target alone "
+          f"{check.tv_target_alone:.4f}; sampling noise alone about {check.tv_noise:.4f}", file=out)
+    if check.acceptance is not None:
+        print(f"first draft kept in {check.acceptance:.1%} of the speculative draws", file=out)
     return 0
 
 

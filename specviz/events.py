@@ -11,8 +11,12 @@ used. In greedy mode the rule compares argmaxes, so `p` and `q` are the models' 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import time
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,7 @@ class ExtraToken:
     kind: str  # "correction" | "bonus" | "target"
     p: float  # target probability of this token
     q: float | None = None  # draft probability (corrections only)
+    top: list[TopToken] = field(default_factory=list)  # the candidates at this position
 
 
 @dataclass
@@ -114,6 +119,8 @@ class RunMeta:
     prefill_ms: float = 0.0  # in a batch: this row's share
     cache: str = ""  # KV cache kind: "static" | "dynamic" | "none" ("" in traces from before it was recorded)
     compiled: bool = False  # compiled forwards were asked for
+    draft_greedy: bool = False  # a sampled run whose drafter proposed its argmax (q one-hot)
+    drafter: str = ""  # "model" | "lookup" | "eagle" for a speculative run ("" for the baseline and old traces)
     versions: dict[str, str] = field(default_factory=dict)
 
 
@@ -132,6 +139,13 @@ class Run:
     @property
     def token_ids(self) -> list[int]:
         return [i for e in self.events for i in e.new_tokens]
+
+    def records(self) -> list[DraftedToken | ExtraToken]:
+        """What the run recorded for each generated token, in text order."""
+        out: list[DraftedToken | ExtraToken] = []
+        for e in self.events:
+            out += e.drafted[: e.n_accepted] + ([e.extra] if e.extra else [])
+        return out
 
     @property
     def n_tokens(self) -> int:
@@ -190,19 +204,83 @@ class Run:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Run:
-        def drafted(d: dict[str, Any]) -> DraftedToken:
-            return DraftedToken(**{**d, "top": [TopToken(**t) for t in d.get("top", [])]})
+    def from_dict(cls, data: Any, where: str = "run") -> Run:
+        """A run from its JSON form, checked field by field: ValueError naming the first field
+        that is missing, unknown or of the wrong type or range."""
+        return _build(cls, data, where)
 
-        def event(e: dict[str, Any]) -> RoundEvent:
-            extra = ExtraToken(**e["extra"]) if e.get("extra") else None
-            return RoundEvent(**{**e, "drafted": [drafted(d) for d in e["drafted"]], "extra": extra})
 
-        return cls(
-            meta=RunMeta(**data["meta"]),
-            events=[event(e) for e in data["events"]],
-            text=data.get("text", ""),
-        )
+# Ranges beyond the types: a field named here must hold a value at least this.
+_AT_LEAST = {"index": 0, "gamma": 0, "n_accepted": 0, "target_cache_len": 0, "draft_cache_len": 0,
+             "tokens_so_far": 0, "draft_ms": 0, "verify_ms": 0, "elapsed_ms": 0, "id": 0, "vocab_size": 1,
+             "max_new_tokens": 1, "gamma_max": 0, "batch_size": 1, "prefill_ms": 0, "temperature": 0, "top_k": 0}
+_PROBABILITIES = {"p", "q", "accept_prob", "u", "residual", "top_p"}
+_CHOICES = {"status": (ACCEPTED, REJECTED, UNVERIFIED), "kind": (CORRECTION, BONUS, TARGET),
+            "mode": ("speculative", "baseline"), "finish_reason": (None, "eos", "length"),
+            "drafter": ("", "model", "lookup", "eagle")}
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """An instance of dataclass `cls` from JSON `data`, every field checked against its type hint."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be an object, got {_shown(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where} has an unknown field {unknown[0]!r}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"{where}.{name} is missing")
+            continue
+        values[name] = _value(hints[name], data[name], f"{where}.{name}", name)
+    return cls(**values)
+
+
+def _value(hint: Any, value: Any, where: str, name: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):  # X | None
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _value(hint, value, where, name)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where} must be a list, got {_shown(value)}")
+        return [_value(args[0], v, f"{where}[{i}]", name) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ValueError(f"{where} must be an object of strings, got {_shown(value)}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {_shown(value)}")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where} must be a whole number, got {_shown(value)}")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{where} must be a number, got {_shown(value)}")
+        value = float(value)
+    elif hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where} must be text, got {_shown(value)}")
+    if name in _AT_LEAST and value < _AT_LEAST[name]:
+        raise ValueError(f"{where} must be at least {_AT_LEAST[name]}, got {_shown(value)}")
+    if name in _PROBABILITIES and not 0 <= value <= 1 + 1e-6:  # rounding may pass 1 by an ulp
+        raise ValueError(f"{where} must be a probability (0 to 1), got {_shown(value)}")
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, _CHOICES[name]))}, got {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def runs_to_json(runs: list[Run]) -> str:
@@ -217,10 +295,13 @@ def runs_from_json(text: str) -> list[Run]:
         raise ValueError(f"not a specviz trace: invalid JSON ({err})") from err
     if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
         raise ValueError(f"not a specviz trace: expected format {TRACE_FORMAT!r}")
+    runs = data.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise ValueError("not a specviz trace: 'runs' must be a non-empty list")
     try:
-        return [Run.from_dict(r) for r in data["runs"]]
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"not a specviz trace: malformed run ({err})") from err
+        return [Run.from_dict(r, f"runs[{i}]") for i, r in enumerate(runs)]
+    except ValueError as err:
+        raise ValueError(f"not a valid specviz trace: {err}") from None
 
 
 def save_runs(path: str | Path, runs: list[Run]) -> None:

@@ -61,6 +61,9 @@ class Settings:
     gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected" (schedules.py)
     gamma_max: int = 16  # the most an adaptive policy may draft
     drafter: str = "model"  # "model" | "lookup" | "eagle"
+    # sampled runs: the drafter proposes its argmax and the rule takes q as one-hot (exact, as for
+    # prompt lookup); acceptance becomes p(d) for the draft's likeliest d instead of min(1, p/q)
+    draft_greedy: bool = False
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -73,6 +76,15 @@ class Settings:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    @classmethod
+    def of_run(cls, meta: RunMeta, **changes) -> Settings:
+        """The settings a speculative run was made with (to run it again, changed as asked)."""
+        fields = dict(gamma=meta.gamma, gamma_policy=meta.gamma_policy, gamma_max=max(meta.gamma_max, meta.gamma),
+                      drafter=meta.drafter or "model", temperature=meta.temperature, top_k=meta.top_k,
+                      top_p=meta.top_p, seed=meta.seed, max_new_tokens=meta.max_new_tokens,
+                      cache=meta.cache or "static", compile=meta.compiled, draft_greedy=meta.draft_greedy)
+        return cls(**{**fields, **changes})
 
     def validate(self) -> None:
         """ValueError before any model work, so nothing is left half-done."""
@@ -98,6 +110,8 @@ class Settings:
             raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {self.cache!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.draft_greedy, bool):
+            raise ValueError(f"draft_greedy must be True or False, got {self.draft_greedy!r}")
         if not is_int(self.record_top) or self.record_top < 0:
             raise ValueError(f"record_top must be an integer >= 0, got {self.record_top!r}")
         self.sampling.validate()
@@ -144,7 +158,9 @@ def _seeded_generator(device: torch.device, seed: int) -> torch.Generator:
 
 def _top_tokens(p_row, q_row, residual_row, drafted_id, k, text) -> list[TopToken]:
     """The union of the k most likely tokens under p and under q, and the drafted one."""
-    ids = set(torch.topk(p_row, k).indices.tolist()) | set(torch.topk(q_row, k).indices.tolist())
+    ids = set(torch.topk(p_row, k).indices.tolist())
+    q_top = torch.topk(q_row, k)  # only tokens q gives mass: a one-hot q (or none, after the drafts) has one or none
+    ids |= set(q_top.indices[q_top.values > 0].tolist())
     ids.add(drafted_id)
     ordered = sorted(ids, key=lambda i: -float(p_row[i] + q_row[i]))
     return [
@@ -199,6 +215,8 @@ def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], se
         batch_size=batch_size,
         cache=settings.cache,
         compiled=settings.compile,
+        draft_greedy=settings.draft_greedy and speculative and not settings.sampling.greedy,
+        drafter=settings.drafter if speculative else "",
         versions=_versions(),
     )
 
@@ -245,7 +263,11 @@ def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top
         nt = verdict.next_token
         q_extra = float(q_show[n, nt]) if n < gamma else None
         kind = CORRECTION if n < gamma else BONUS if gamma else TARGET  # nothing drafted: a plain step
-        extra = ExtraToken(nt, text(nt), kind, float(p_show[n, nt]), q_extra)
+        top = []
+        if record_top:  # the candidates at this position too: where two runs part, the size of the tie
+            q_row = q_show[n] if n < gamma else torch.zeros_like(p_show[n])
+            top = _top_tokens(p_show[n], q_row, None, nt, record_top, text)
+        extra = ExtraToken(nt, text(nt), kind, float(p_show[n, nt]), q_extra, top)
     return drafted, extra
 
 
@@ -276,24 +298,26 @@ def _capacity(prompts_ids: list[list[int]], settings: Settings) -> int:
 @torch.inference_mode()
 def decode(
     pair: ModelPair, prompts_ids: list[list[int]], settings: Settings, mode: str = "speculative",
-    metas: list[RunMeta] | None = None,
+    metas: list[RunMeta] | None = None, seeds: list[int] | None = None,
 ) -> Iterator[list[tuple[int, RoundEvent]]]:
     """Decode B prompts together; yield, per round, (row, event) for every row still running.
 
     mode "baseline" drafts nothing: one plain target step per round. Each row has its own random
-    generator (seeded like a single run), γ policy and budget, and leaves the batch when done, so
-    a row decodes what it would decode alone. Times are per row: a batch's round time divided by
+    generator (seeded like a single run with settings.seed, or with seeds[row]), γ policy and
+    budget, and leaves the batch when done, so a row decodes what it would decode alone. Rows
+    with the same prompt share one prefill. Times are per row: a batch's round time divided by
     the rows in it (a single run gets the whole). Fills metas' prefill_ms.
     """
     settings.validate()
     if mode not in ("speculative", "baseline"):
         raise ValueError(f"mode must be 'speculative' or 'baseline', got {mode!r}")
-    if not 1 <= len(prompts_ids) <= MAX_BATCH:
-        raise ValueError(f"a batch holds 1 to {MAX_BATCH} prompts, got {len(prompts_ids)}")
+    if not prompts_ids or (seeds is not None and len(seeds) != len(prompts_ids)):
+        raise ValueError("decode needs one or more prompts (and, if given, one seed per prompt)")
     params, device, V = settings.sampling, pair.device, pair.vocab_size
+    draft_params = SamplingParams(0.0) if settings.draft_greedy else params  # greedy: argmax, q one-hot
     text = TokenTexts(pair.tokenizer)
     n_rows, capacity, pad = len(prompts_ids), _capacity(prompts_ids, settings), pad_id(pair)
-    generators = [_seeded_generator(device, settings.seed) for _ in range(n_rows)]  # each row as if alone
+    generators = [_seeded_generator(device, seed) for seed in seeds or [settings.seed] * n_rows]  # as if alone
     policies = [make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max) for _ in range(n_rows)]
     seqs = [torch.tensor(p, device=device) for p in prompts_ids]
     generated, indices = [0] * n_rows, [0] * n_rows
@@ -302,9 +326,16 @@ def decode(
     start = time.perf_counter()
     drafter = make_drafter(pair, settings, mode, capacity)
     # the target's state holds each row's sequence but its last token
-    target = KVState(pair.target, n_rows, settings.cache, V, capacity, settings.compile)
-    prefill = target.prefill(prompts_ids, pad, hidden=drafter.requires_hidden)
-    drafter.start(prompts_ids, prefill.hidden)
+    first_row = {tuple(p): i for i, p in reversed(list(enumerate(prompts_ids)))}  # prompt -> its first row
+    distinct = [prompts_ids[i] for i in sorted(first_row.values())]
+    target = KVState(pair.target, len(distinct), settings.cache, V, capacity, settings.compile)
+    prefill = target.prefill(distinct, pad, hidden=drafter.requires_hidden)
+    drafter.start(distinct, prefill.hidden)
+    if len(distinct) < n_rows:  # copy each distinct prompt's state to its rows
+        order = {tuple(p): k for k, p in enumerate(distinct)}
+        rows = [order[tuple(p)] for p in prompts_ids]
+        target.select(rows)
+        drafter.select(rows)
     _sync(device)
     for meta in metas or []:
         meta.prefill_ms = 1000 * (time.perf_counter() - start) / n_rows
@@ -314,7 +345,7 @@ def decode(
         gammas = [min(policies[r].next_gamma(), settings.max_new_tokens - generated[r] - 1)
                   for r in active] if mode == "speculative" else [0] * len(active)
         t0 = time.perf_counter()
-        proposals = drafter.propose([seqs[r] for r in active], gammas, params, [generators[r] for r in active])
+        proposals = drafter.propose([seqs[r] for r in active], gammas, draft_params, [generators[r] for r in active])
         _sync(device)
         t1 = time.perf_counter()
         drafted = [p.tokens.shape[0] for p in proposals]  # g_i <= γ_i
@@ -367,7 +398,9 @@ def decode(
                 target.select(keep)
                 drafter.select(keep)
             active = [active[i] for i in keep]
+        suspended = time.perf_counter()
         yield out
+        start += time.perf_counter() - suspended  # the consumer's time between rounds is not the run's
 
 
 def speculative_events(pair: ModelPair, prompt_ids: list[int], settings: Settings,
@@ -389,6 +422,9 @@ def encode_prompts(pair: ModelPair, prompts: list[str], settings: Settings, chat
     """Validated prompt ids: encoded here unless given; ValueError before any model work."""
     settings.validate()
     check_drafter(pair, settings)
+    count = len(prompts if prompts_ids is None else prompts_ids)
+    if not 1 <= count <= MAX_BATCH:
+        raise ValueError(f"a batch holds 1 to {MAX_BATCH} prompts, got {count}")
     if prompts_ids is None:
         for prompt in prompts:
             validate_prompt(prompt)

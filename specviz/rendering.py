@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 
 from .events import BONUS, CORRECTION, REJECTED, RoundEvent, Run
 
@@ -103,6 +104,18 @@ CSS = """
 .sv-race-row { font-family: ui-monospace, monospace; white-space: pre-wrap; margin: 6px 0; }
 .sv-race-row .sv-tok { opacity: 0; animation: sv-appear 0.01s forwards; }
 @keyframes sv-appear { to { opacity: 1; } }
+.sv-stage-caption { font-weight: 600; margin-bottom: 6px; }
+.sv-stage-table { border-collapse: collapse; font-family: ui-monospace, monospace; font-size: 14px; }
+.sv-stage-table th, .sv-stage-table td { border: 1px solid #ddd; padding: 3px 8px; text-align: center; }
+.sv-stage-table th:first-child { text-align: right; color: #555; font-weight: 500; }
+.sv-stage-table td.sv-cur { outline: 3px solid #f39c12; }
+.sv-how li { margin: 3px 0; color: #444; }
+.sv-how li.sv-now { background: #fef5e7; border-left: 4px solid #f39c12; padding-left: 6px; color: #000; }
+body.sv-projector .sv-stream, body.sv-projector .sv-stream .sv-tok, body.sv-projector .sv-race-row {
+  font-size: 28px; line-height: 1.7; }
+body.sv-projector .sv-stage-table th, body.sv-projector .sv-stage-table td { font-size: 24px; }
+.sv-projector .sv-stage-caption, .sv-projector .sv-how, .sv-projector .sv-stats { font-size: 22px; }
+.sv-projector .js-plotly-plot text { font-size: 18px !important; }
 """
 
 _KIND_CLASS = {"accepted": "sv-accepted", REJECTED: "sv-rejected", CORRECTION: "sv-correction",
@@ -158,7 +171,7 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         return ""
     alpha = spec.acceptance_rate
     rows = [
-        ("drafter", spec.meta.draft or "–"),
+        ("drafter", (spec.meta.draft or "–") + (", drafting greedily (q one-hot)" if spec.meta.draft_greedy else "")),
         ("γ", gamma_label(spec)),
         ("acceptance rate α̂", "–" if alpha is None else f"{alpha:.1%}"),
         ("accepted / rejected / drafted", f"{spec.n_accepted} / {spec.n_rejected} / {spec.n_drafted}"),
@@ -191,7 +204,33 @@ def diff_html(spec: Run, baseline: Run) -> str:
         return '<div class="sv-note">Greedy: identical to the baseline, token for token.</div>'
     return (f'<div class="sv-note">Greedy: the texts part at generated token {at + 1} (outlined). In '
             f"{html.escape(spec.meta.dtype)} a k-token forward and k one-token forwards round differently, and "
-            "a near-tie can flip: numerics, not the algorithm.</div>")
+            "a near-tie can flip: numerics, not the algorithm.</div>" + tie_html(spec, baseline, at))
+
+
+def _p_of(record, token_id: int) -> float | None:
+    if record.id == token_id:
+        return record.p
+    return next((t.p for t in record.top if t.id == token_id), None)
+
+
+def tie_html(spec: Run, baseline: Run, at: int) -> str:
+    """Where two greedy runs part: both candidates' target probabilities in each run, and the
+    logit gap ln p(a) − ln p(b) (softmax shares one normaliser): the size of the tie."""
+    records = spec.records(), baseline.records()
+    if at >= min(map(len, records)):
+        return ""
+    a, b = records[0][at], records[1][at]
+    rows = []
+    for name, record in (("speculative", a), ("baseline", b)):
+        pa, pb = _p_of(record, a.id), _p_of(record, b.id)
+        gap = f"{math.log(pa) - math.log(pb):+.4f}" if pa and pb else "–"
+        rows.append(f"<tr><td>{name}</td><td>{_fmt(pa)}</td><td>{_fmt(pb)}</td><td>{gap}</td></tr>")
+    head = (f"<tr><th>run</th><th>p({html.escape(repr(a.text))})</th><th>p({html.escape(repr(b.text))})</th>"
+            "<th>logit gap</th></tr>")
+    return (f'<div class="sv-tie">At generated token {at + 1} the speculative run chose '
+            f"{html.escape(repr(a.text))} and the baseline {html.escape(repr(b.text))}; the target's own "
+            f'probabilities for both, as each run computed them (– : not among its top candidates):'
+            f'<table class="sv-stats">{head}{"".join(rows)}</table></div>')
 
 
 def race_html(spec: Run, baseline: Run, speed: float = 1.0) -> str:

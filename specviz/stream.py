@@ -3,13 +3,16 @@
 `stream` runs one prompt speculatively (and then the plain baseline, when asked) and
 `stream_batch` several prompts together; both yield an update per round and a last one with
 the finished runs, their decoded texts and, if asked, the path of the saved trace. A consumer
-maps updates to whatever it shows and stops a run by closing the iterator between rounds.
+maps updates to whatever it shows and stops a run by closing the iterator between rounds. Time
+spent by the consumer between updates (rendering, or a viewer stepping through rounds) counts
+neither in the runs' times nor against the time limit.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,8 +57,17 @@ Update = RoundDone | BatchRound | Finished
 
 @dataclass
 class _Clock:
+    """The time a stream has spent running: a consumer's time between updates (a viewer stepping
+    through rounds) does not count against the limit."""
+
     limit_s: float  # 0: none
     start: float = field(default_factory=time.perf_counter)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        suspended = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - suspended
 
     def out(self) -> str:
         if self.limit_s and time.perf_counter() - self.start > self.limit_s:
@@ -86,7 +98,8 @@ def stream(pair: ModelPair, prompt: str, settings: Settings, compare: bool = Fal
         runs.append(run)
         for ((_, event),) in decode(pair, ids, settings, mode, [run.meta]):
             run.events.append(event)
-            yield RoundDone(run, event)
+            with clock.paused():
+                yield RoundDone(run, event)
             stopped = clock.out()
             if stopped:
                 break
@@ -103,7 +116,8 @@ def stream_batch(pair: ModelPair, prompts: list[str], settings: Settings, chat_t
     for index, round_events in enumerate(decode(pair, ids, settings, "speculative", [r.meta for r in runs])):
         for row, event in round_events:
             runs[row].events.append(event)
-        yield BatchRound(runs, index)
+        with clock.paused():
+            yield BatchRound(runs, index)
         stopped = clock.out()
         if stopped:
             break

@@ -42,7 +42,7 @@ def stat(stats_html: str, name: str) -> str:
 
 def test_run_events_agree_with_the_stats_shown(app_url):
     client = Client(app_url, verbose=False)
-    status, spec_html, base_html, diff, stats, *_figs, _pick, download, race = call(client)
+    status, spec_html, base_html, diff, stats, *_figs, _pick, download, race, _stage, _how = call(client)
     assert "done: 12 tokens" in status
     spec, base = load_runs(download)
     accepted, rejected, drafted = (int(x) for x in stat(stats, "accepted / rejected / drafted").split(" / "))
@@ -75,7 +75,7 @@ def test_bad_input_is_readable_and_the_next_request_works(app_url):
 
 def test_replay_a_trace_without_models(app_url, tmp_path):
     client = Client(app_url, verbose=False)
-    download = call(client, max_new_tokens=5)[-2]
+    download = call(client, max_new_tokens=5)[-4]
     from gradio_client import handle_file
 
     status, spec_html, base_html, *_ = client.predict(handle_file(download), False, api_name="/replay")
@@ -89,7 +89,7 @@ def test_prompt_lookup_with_adaptive_gamma_shows_gamma_per_round(app_url):
     import app
 
     client = Client(app_url, verbose=False)
-    status, spec_html, _, diff, stats, fig_rounds, *_rest, download, _race = call(
+    status, spec_html, _, diff, stats, fig_rounds, *_rest, download, _race, _stage, _how = call(
         client, prompt=app.EDIT_EXAMPLES[0], temperature=0.0, max_new_tokens=24, drafter="lookup",
         gamma_policy="grow-shrink")
     assert "done: 24 tokens" in status and "Greedy" in diff
@@ -104,7 +104,8 @@ def test_prompt_lookup_with_adaptive_gamma_shows_gamma_per_round(app_url):
 
 def test_eagle_head_runs_and_names_its_origin(app_url):
     client = Client(app_url, verbose=False)
-    status, _, _, diff, stats, *_rest, download, _race = call(client, temperature=0.0, drafter="eagle", gamma=3)
+    status, _, _, diff, stats, *_rest, download, _race, _stage, _how = call(client, temperature=0.0, drafter="eagle",
+                                                                           gamma=3)
     assert "done: 12 tokens" in status
     spec, base = load_runs(download)
     assert stat(stats, "drafter").startswith("EAGLE head eagle-smollm2-135m (specviz distill --kind eagle")
@@ -139,3 +140,57 @@ def test_batch_streams_one_row_per_prompt(app_url):
         alpha = run.acceptance_rate
         assert f"α̂ {'–' if alpha is None else f'{alpha:.0%}'}" in streams
     assert streams.count("sv-tok") >= sum(r.n_tokens for r in runs)  # every kept token is in the page
+
+
+def caption(outputs) -> str:
+    return html.unescape(re.search(r'sv-stage-caption">([^<]*)<', outputs[-2]).group(1))
+
+
+def test_step_mode_runs_one_round_at_a_time_and_ends_with_the_plain_runs_text(app_url):
+    client = Client(app_url, verbose=False)
+    args = ("The future of AI", "offline", "", "", 2, 0.0, 0, 1.0, 0, 10, True, False, "eagle", "fixed")
+    first = client.predict(*args, api_name="/step")
+    assert caption(first).startswith("Round 1, stage 1 of ") and "Stepping" in first[0]
+    stages = int(re.search(r"stage 1 of (\d+)", caption(first)).group(1))
+    for k in range(2, stages + 1):
+        assert caption(client.predict(*args, api_name="/next")).startswith(f"Round 1, stage {k} of")
+    assert caption(client.predict(*args, api_name="/next")).startswith("Round 2, stage 1 of")
+    assert caption(client.predict(False, api_name="/back")).startswith(f"Round 1, stage {stages} of")
+    outputs = client.predict(False, api_name="/continue")  # the last of its updates
+    assert "done: 10 tokens" in outputs[0]
+    spec, base = load_runs(outputs[-4])
+    plain, plain_base = load_runs(call(client, temperature=0.0, drafter="eagle", gamma=2, max_new_tokens=10)[-4])
+    assert spec.token_ids == plain.token_ids and base.token_ids == plain_base.token_ids
+
+
+def test_a_replayed_trace_steps_like_a_live_run(app_url, tmp_path):
+    from gradio_client import handle_file
+
+    client = Client(app_url, verbose=False)
+    download = call(client, max_new_tokens=6)[-4]
+    spec, _ = load_runs(download)
+    client.predict(handle_file(download), False, api_name="/replay")
+    args = ("ignored: a replay steps its own run", "offline", "", "", 2, 0.0, 0, 1.0, 0, 6, True, False)
+    outputs = client.predict(*args, api_name="/step")
+    assert caption(outputs).startswith("Round 1, stage 1 of")
+    assert outputs[1].count("sv-tok") == spec.events[0].n_accepted + spec.events[0].n_rejected + 1
+    bad = json.loads(open(download).read())
+    bad["runs"][0]["events"][0]["n_accepted"] = "2"
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    status = client.predict(handle_file(str(tmp_path / "bad.json")), False, api_name="/replay")[0]
+    assert "runs[0].events[0].n_accepted must be a whole number" in html.unescape(status)
+
+
+def test_float32_check_and_sample_n(app_url):
+    client = Client(app_url, verbose=False)
+    call(client, temperature=0.0, drafter="eagle", gamma=2, max_new_tokens=8)
+    status = html.unescape(client.predict("offline", "", "", api_name="/check_float32"))
+    assert "Rerun just now in float32" in status and "identical, token for token (8 tokens)" in status
+    status, figure = client.predict("The future of AI", "offline", "", "", 2, 1.0, 0, 1.0, 0, "eagle", False, 200,
+                                    api_name="/sample")
+    assert "200 + 200 draws" in status and "within sampling noise" in status
+    bars = {t["name"]: t["y"] for t in json.loads(figure["plot"])["data"]}
+    assert sum(bars["speculative, 200 draws"]) == pytest.approx(1.0)
+    status, _ = client.predict("The future of AI", "offline", "", "", 2, 0.0, 0, 1.0, 0, "eagle", False, 200,
+                               api_name="/sample")
+    assert "temperature > 0" in html.unescape(status)

@@ -100,3 +100,123 @@ def press_run(page) -> float:
     page.locator("#run-btn").click()
     page.wait_for_function("window.svFirst !== null", timeout=120_000)
     return page.evaluate("window.svFirst") / 1000
+
+
+STEP_SHOT = SCREENSHOT.with_name("step-mode.png")
+CAPTION = "#stage-view .sv-stage-caption"
+CAPTION_TIMER = """(wanted) => {
+  window.svWanted = wanted; window.svT0 = performance.now(); window.svDone = null;
+  if (window.svObserver) return;  // one observer for every timing: a stale one would match an old caption
+  const check = () => {
+    const caption = document.querySelector('#stage-view .sv-stage-caption');
+    if (window.svDone === null && caption && caption.innerText.startsWith(window.svWanted)) {
+      window.svDone = performance.now() - window.svT0;
+    }
+  };
+  window.svObserver = new MutationObserver(check);
+  window.svObserver.observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def timed(page, action, wanted: str) -> float:
+    """Seconds from an action to the stage caption starting with `wanted` (timed in the page)."""
+    page.evaluate(CAPTION_TIMER, wanted)
+    action()
+    page.wait_for_function("window.svDone !== null", timeout=120_000)
+    return page.evaluate("window.svDone") / 1000
+
+
+def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_url):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.goto(app_url + "?projector=1", wait_until="domcontentloaded")
+        page.locator("#step-btn").wait_for(timeout=60_000)
+        expect(page.locator("#projector input")).to_be_checked(timeout=30_000)  # from the URL
+        page.wait_for_function("document.body.classList.contains('sv-projector')", timeout=30_000)
+        temperature = page.get_by_role("spinbutton", name="number input for temperature")
+        temperature.fill("1")
+        temperature.press("Enter")
+
+        first = timed(page, lambda: page.locator("#step-btn").click(), "Round 1, stage 1 of")
+        assert "The drafter proposes d1" in page.locator(CAPTION).inner_text()
+        assert page.locator("#stage-view td.sv-cur").count() == 1  # the stage's own cell is marked
+        stages = int(re.search(r"stage 1 of (\d+)", page.locator(CAPTION).inner_text()).group(1))
+        page.locator("body").click(position={"x": 5, "y": 5})  # focus off any field: the key is for the page
+        for stage in range(2, stages + 1):  # the key n steps through the round's stages in order
+            stage_s = timed(page, lambda: page.keyboard.press("n"), f"Round 1, stage {stage} of")
+        text = page.locator(CAPTION).inner_text()
+        assert "takes its place" in text or "bonus" in text or "end-of-text" in text  # the added token is last
+        how = page.locator("#how-it-works").inner_text()
+        assert all(step in how for step in ("Draft", "Verify", "Accept or reject", "Add one token", "Roll back"))
+        assert "u = " in page.locator("#stage-view").inner_text() or "vs" in page.locator("#stage-view").inner_text()
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(STEP_SHOT), full_page=False)
+        next_round = timed(page, lambda: page.keyboard.press("n"), "Round 2, stage 1 of")  # a live round
+        again = timed(page, lambda: page.locator("#step-btn").click(), "Round 3, stage 1 of")
+        print(f"\nstep mode: first Step {first:.2f} s (starts the run), a stage {stage_s:.2f} s, "
+              f"the next round by key {next_round:.2f} s, by Step {again:.2f} s")
+        page.locator("#continue-btn").click()
+        page.wait_for_function("/done/.test(document.querySelector('#status').innerText)", timeout=300_000)
+
+        page.get_by_label("projector (large type)").uncheck()
+        page.wait_for_function("!document.body.classList.contains('sv-projector') && "
+                               "!location.search.includes('projector')", timeout=30_000)
+        browser.close()
+
+
+SAMPLE_SHOT = SCREENSHOT.with_name("sample-check.png")
+
+
+def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 2400})
+        page.goto(app_url, wait_until="domcontentloaded")
+        page.locator("#run-btn").wait_for(timeout=60_000)
+        for name, value in (("temperature", "1"), ("max new tokens", "24")):
+            box = page.get_by_role("spinbutton", name=f"number input for {name}")
+            box.fill(value)
+            box.press("Enter")
+
+        # greedy drafting under sampling: the stats say so, and the caches chart its rounds
+        page.get_by_label("draft greedily").check()
+        page.locator("#run-btn").click()
+        page.locator("#status :text('done')").wait_for(timeout=300_000)
+        assert "drafting greedily" in page.locator("#stats").inner_text()
+        assert page.locator("#chart-cache .js-plotly-plot .bars").count() > 0
+        assert "rolled back" in page.locator("#chart-cache").inner_text()
+
+        # sample N times: both histograms beside the exact distribution, and the distances
+        samples = page.get_by_role("spinbutton", name="N", exact=True)
+        samples.fill("1000")
+        samples.press("Enter")
+        page.locator("#sample-btn").click()
+        page.wait_for_function("/draws in|Error/.test(document.querySelector('#lossless-status').innerText)",
+                               timeout=300_000)
+        status = page.locator("#lossless-status").inner_text()
+        assert "1000 + 1000 draws in" in status and "within sampling noise" in status, status
+        assert page.locator("#chart-sample .js-plotly-plot .bars").count() > 0
+        print(f"\nsample N: {status}")
+        page.locator("#chart-sample").scroll_into_view_if_needed()
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SAMPLE_SHOT), full_page=False)
+
+        # greedy: the float32 check reruns both runs and says whether they agree
+        page.get_by_label("draft greedily").uncheck()
+        box = page.get_by_role("spinbutton", name="number input for temperature")
+        box.fill("0")
+        box.press("Enter")
+        page.locator("#run-btn").click()
+        page.locator("#status :text('done')").wait_for(timeout=300_000)
+        page.locator("#fp32-btn").click()
+        page.wait_for_function("/float32/.test(document.querySelector('#fp32-status').innerText)",
+                               timeout=300_000)
+        assert "Rerun just now in float32" in page.locator("#fp32-status").inner_text()
+        browser.close()

@@ -173,3 +173,19 @@ def test_cli_distill_eagle_then_generate(pattern_dirs, eagle_dirs, tmp_path, cap
                      "--compare", "--color", "never"]) == 0
     printed = capsys.readouterr().out
     assert "EAGLE head head" in printed and "identical to the baseline" in printed
+
+
+def test_eagle_rows_of_one_prompt_share_a_prefill(eagle_pair):
+    """The head's pending features are copied with the target's state to every row."""
+    from specviz.generator import decode
+
+    pair = eagle_pair("llama")
+    settings = Settings(gamma=3, temperature=1.0, max_new_tokens=10, drafter="eagle")
+    prompt, seeds = words(4, 5, 6), [1, 2, 3]
+    rows = {r: [] for r in range(3)}
+    for round_events in decode(pair, [prompt] * 3, settings, seeds=seeds):
+        for row, event in round_events:
+            rows[row] += event.new_tokens
+    alone = [generate(pair, "", Settings(**{**settings.__dict__, "seed": s}), prompt_ids=prompt).token_ids
+             for s in seeds]
+    assert [rows[r] for r in range(3)] == alone

@@ -8,6 +8,7 @@ from conftest import ARCHS, EOS, words
 
 from specviz.events import ACCEPTED, BONUS, CORRECTION, REJECTED, load_runs, runs_from_json, runs_to_json, save_runs
 from specviz.generator import Settings, generate, speculative_events
+from specviz.rendering import stats_html
 from specviz.sampling import SamplingParams, logits_to_probs
 
 
@@ -82,8 +83,10 @@ def exact_baseline_distribution(pair, prompt_ids, params):
 
 
 @pytest.mark.slow
-def test_sampled_generation_matches_baseline_distribution(random_pair):
-    """20 000 speculative runs (γ = 2): the first two tokens follow the target's exact law.
+@pytest.mark.parametrize("draft_greedy", [False, True])
+def test_sampled_generation_matches_baseline_distribution(random_pair, draft_greedy):
+    """20 000 speculative runs (γ = 2): the first two tokens follow the target's exact law, with
+    sampled drafts and with greedy drafts (argmax, q one-hot).
 
     Test: total variation between the empirical and the exact distribution below 0.03. With
     about 80 outcomes, sampling noise alone gives an expected TV near 0.015 at this size.
@@ -92,7 +95,7 @@ def test_sampled_generation_matches_baseline_distribution(random_pair):
     prompt = words(1, 2)
     exact = exact_baseline_distribution(random_pair, prompt, params)
     settings = Settings(gamma=2, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        max_new_tokens=2, record_top=0)
+                        max_new_tokens=2, record_top=0, draft_greedy=draft_greedy)
     n, counts = 20_000, Counter()
     for seed in range(n):
         events = speculative_events(random_pair, prompt, Settings(**{**settings.__dict__, "seed": seed}))
@@ -145,8 +148,59 @@ def test_run_round_trips_through_json(random_pair, tmp_path):
         runs_from_json('{"runs": []}')
 
 
+@pytest.mark.parametrize("path, value, message", [
+    (("events", 0, "n_accepted"), "2", "runs[0].events[0].n_accepted must be a whole number, got \"2\""),
+    (("events", 1, "gamma"), -1, "runs[0].events[1].gamma must be at least 0, got -1"),
+    (("events", 0, "drafted", 0, "q"), 1.5, "runs[0].events[0].drafted[0].q must be a probability"),
+    (("events", 0, "drafted", 0, "status"), "maybe", "runs[0].events[0].drafted[0].status must be one of"),
+    (("events", 0, "extra"), [], "runs[0].events[0].extra must be an object, got []"),
+    (("meta", "temperature"), None, "runs[0].meta.temperature must be a number, got null"),
+    (("meta", "prompt_ids"), [1, "x"], "runs[0].meta.prompt_ids[1] must be a whole number"),
+    (("meta", "compiled"), 1, "runs[0].meta.compiled must be true or false, got 1"),
+    (("events",), {}, "runs[0].events must be a list, got {}"),
+])
+def test_a_trace_with_a_wrong_field_is_refused_by_name(random_pair, path, value, message):
+    import json
+
+    settings = Settings(gamma=3, temperature=1.0, max_new_tokens=8, seed=1)
+    data = json.loads(runs_to_json([generate(random_pair, "a prompt", settings, prompt_ids=words(1, 2))]))
+    node = data["runs"][0]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ValueError, match="not a valid specviz trace") as err:
+        runs_from_json(json.dumps(data))
+    assert message in str(err.value)
+
+
+def test_a_trace_with_a_missing_or_unknown_field_is_refused_by_name(random_pair):
+    import json
+
+    run = generate(random_pair, "a prompt", Settings(gamma=2, max_new_tokens=4), prompt_ids=words(1, 2))
+    data = json.loads(runs_to_json([run]))
+    del data["runs"][0]["events"][0]["verify_ms"]
+    with pytest.raises(ValueError, match=r"runs\[0\]\.events\[0\]\.verify_ms is missing"):
+        runs_from_json(json.dumps(data))
+    data = json.loads(runs_to_json([run]))
+    data["runs"][0]["meta"]["colour"] = "red"
+    with pytest.raises(ValueError, match="runs\\[0\\]\\.meta has an unknown field 'colour'"):
+        runs_from_json(json.dumps(data))
+
+
 def test_baseline_events_have_the_speculative_shape(random_pair):
     base = generate(random_pair, "", Settings(max_new_tokens=5), mode="baseline", prompt_ids=words(1, 2))
     assert [e.tokens_so_far for e in base.events] == [1, 2, 3, 4, 5]
     assert all(e.gamma == 0 and e.drafted == [] and e.extra.kind == "target" for e in base.events)
     assert [e.target_cache_len for e in base.events] == [2, 3, 4, 5, 6]
+
+
+def test_greedy_drafts_under_sampling_are_the_drafts_argmax_with_q_one_hot(random_pair):
+    settings = Settings(gamma=3, temperature=1.0, max_new_tokens=12, seed=3, draft_greedy=True)
+    run = generate(random_pair, "", settings, prompt_ids=words(1, 2))
+    drafted = [t for e in run.events for t in e.drafted]
+    assert drafted and all(t.q == 1.0 for t in drafted)
+    assert all(t.accept_prob == pytest.approx(min(1.0, t.p)) for t in drafted if t.status != "unverified")
+    assert run.meta.draft_greedy and "drafting greedily" in stats_html(run)
+    greedy_run = generate(random_pair, "", Settings(gamma=3, max_new_tokens=12, draft_greedy=True),
+                          prompt_ids=words(1, 2))
+    assert not greedy_run.meta.draft_greedy  # a greedy run drafts greedily anyway: nothing to say

@@ -51,11 +51,14 @@ def test_diff_marker_names_the_position():
 def test_charts_keep_zoom_and_show_the_data():
     run = make_run()
     figs = [charts.tokens_per_round(run), charts.tokens_over_time(run, run), charts.acceptance_by_position(run),
-            charts.speedup_curve(run, run), charts.token_inspector(run.events[0].drafted[1], "x")]
+            charts.speedup_curve(run, run), charts.token_inspector(run.events[0].drafted[1], "x"),
+            charts.cache_lengths(run), charts.sample_histogram(None)]
     assert all(f["layout"]["uirevision"] for f in figs)
     assert figs[0]["data"][0]["y"] == [1, 2] and figs[0]["data"][1]["y"] == [1, 0]
     assert figs[2]["data"][0]["y"] == [1.0, 0.5]  # position 1: 2 of 2 accepted; position 2: 1 of 2
     assert len(figs[4]["data"]) == 3  # p, q and the residual at a rejected position
+    per_pass = [t for t in figs[1]["data"] if t.get("yaxis") == "y2"]  # each run's ms per target pass
+    assert [t["y"] for t in per_pass] == [[e.verify_ms for e in run.events]] * 2
     for fig in figs:  # valid Plotly: the full Figure accepts every spec
         assert fig.figure().to_json()
 

@@ -53,3 +53,18 @@ def test_bad_input_fails_before_any_round(pattern_pair):
         next(stream(pattern_pair("llama"), "  ", Settings()))
     with pytest.raises(ValueError, match="cache must be one of"):
         next(stream(pattern_pair("llama"), "w1", Settings(cache="paged")))
+
+
+def test_time_between_updates_counts_neither_in_the_run_nor_against_the_limit(pattern_pair):
+    """A viewer who pauses between rounds (step mode) pauses the run's clock too."""
+    import time
+
+    updates = stream(pattern_pair("llama"), "w2 w3 w4", Settings(gamma=2, max_new_tokens=8), chat_template=False,
+                     time_limit_s=0.5)
+    pauses = 0.0
+    for update in updates:
+        if isinstance(update, RoundDone):
+            time.sleep(0.2)
+            pauses += 0.2
+    assert pauses >= 0.6 and not update.stopped  # 0.2 s after each round, well past the limit in all
+    assert update.spec.decode_ms < 1000 * pauses / 2, update.spec.decode_ms

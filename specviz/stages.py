@@ -1,0 +1,157 @@
+"""One round in stages, for stepping through it in a classroom (Leviathan et al. 2023, Algorithm 1).
+
+A speculative round is five steps: the drafter proposes γ tokens with q; the target scores them
+all in one forward pass (p at γ + 1 positions); each draft in turn is kept with probability
+min(1, p/q) (greedy: while it equals the target's argmax); the target adds one token (a
+correction from the residual norm(max(0, p − q)) after a rejection, else a bonus from the last
+p); both caches roll back past what was rejected. `round_stages` cuts a recorded `RoundEvent`
+into the stages a viewer steps through (each draft, the verify pass, each decision, the added
+token), and the HTML functions show a round as it stands at a stage. Everything here reads the
+event alone, so a replayed trace steps exactly like a live run.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from .events import ACCEPTED, BONUS, CORRECTION, REJECTED, RoundEvent, RunMeta
+
+DRAFT, VERIFY, DECIDE, ADD = "draft", "verify", "decide", "add"
+ADDED_NAME = {CORRECTION: "a correction", BONUS: "a bonus", "target": "the target's"}
+STEP_OF = {DRAFT: 1, VERIFY: 2, DECIDE: 3, ADD: 4}  # which of the five steps a stage belongs to
+
+
+@dataclass(frozen=True)
+class Stage:
+    kind: str  # "draft" | "verify" | "decide" | "add"
+    position: int  # the draft position (0-based) for "draft" and "decide"; -1 otherwise
+    caption: str  # what the viewer sees happen, with this round's numbers
+
+
+def _tok(text: str) -> str:
+    return repr(text)
+
+
+def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
+    """The stages of a round, in the order they happen."""
+    greedy = meta.sampling.greedy
+    one_hot = greedy or meta.draft_greedy
+    stages = []
+    for i, t in enumerate(event.drafted):
+        how = "its most likely token" if one_hot else "a token sampled from q"
+        stages.append(Stage(DRAFT, i, f"The drafter proposes d{i + 1} = {_tok(t.text)}, {how} "
+                                      f"(q = {t.q:.3f})."))
+    if event.drafted:
+        stages.append(Stage(VERIFY, -1, f"The target runs once over the last token and the {len(event.drafted)} "
+                                        f"draft(s): p at {len(event.drafted) + 1} positions in one forward pass."))
+    else:
+        stages.append(Stage(VERIFY, -1, "Nothing drafted this round: one plain target forward pass."))
+    for i, t in enumerate(event.drafted):
+        if t.status not in (ACCEPTED, REJECTED):
+            continue
+        verdict = "kept" if t.status == ACCEPTED else "rejected"
+        if greedy:
+            test = (f"it is the target's most likely token (p = {t.p:.3f})" if t.status == ACCEPTED
+                    else f"the target's most likely token is another (p(d{i + 1}) = {t.p:.3f})")
+        else:
+            sign = "<" if t.status == ACCEPTED else "≥"
+            test = f"u = {t.u:.3f} {sign} min(1, p/q) = min(1, {t.p:.3f}/{t.q:.3f}) = {t.accept_prob:.3f}"
+        stages.append(Stage(DECIDE, i, f"d{i + 1} = {_tok(t.text)}: {test}, so it is {verdict}."))
+    x = event.extra
+    if x is None:
+        stages.append(Stage(ADD, -1, "An accepted draft was the end-of-text token: the text ends there, nothing "
+                                     "is added."))
+    elif x.kind == CORRECTION:
+        n = event.n_accepted
+        source = "the target's own most likely token" if greedy else "a sample from the residual norm(max(0, p − q))"
+        stages.append(Stage(ADD, -1, f"d{n + 1} was rejected: {source} takes its place, {_tok(x.text)} "
+                                     f"(p = {x.p:.3f}), and any later drafts are dropped."))
+    elif x.kind == BONUS:
+        stages.append(Stage(ADD, -1, f"All {event.gamma} drafts kept: the target's p after the last one gives a "
+                                     f"bonus token for free: {_tok(x.text)} (p = {x.p:.3f})."))
+    else:
+        stages.append(Stage(ADD, -1, f"The target's token: {_tok(x.text)} (p = {x.p:.3f})."))
+    return stages
+
+
+def _cell(value: str, shown: bool, current: bool = False, kind: str = "") -> str:
+    classes = " ".join(c for c in ("sv-cur" if current else "", f"sv-{kind}" if kind and shown else "") if c)
+    attr = f' class="{classes}"' if classes else ""
+    return f"<td{attr}>{html.escape(value) if shown else '·'}</td>"
+
+
+def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
+    """The round as it stands after `stage` (0-based): a column per drafted position plus the
+    added token; rows for the token, q, p, the test and the verdict, filled in as they happen."""
+    stages = round_stages(event, meta)
+    stage = max(0, min(stage, len(stages) - 1))
+    now = stages[stage]
+    drafted_upto = max([s.position for s in stages[: stage + 1] if s.kind == DRAFT], default=-1)
+    verified = any(s.kind == VERIFY for s in stages[: stage + 1])
+    decided = {s.position for s in stages[: stage + 1] if s.kind == DECIDE}
+    added = now.kind == ADD
+    greedy = meta.sampling.greedy
+    head = "".join(f"<th>d{i + 1}</th>" for i in range(len(event.drafted)))
+    head += f"<th>{'added' if event.drafted else 'target'}</th>"
+    rows = {"token": [], "q (draft)": [], "p (target)": [], "greedy test" if greedy else "min(1, p/q) vs u": [],
+            "verdict": []}
+    for i, t in enumerate(event.drafted):
+        drafted = i <= drafted_upto
+        here = now.position == i and now.kind in (DRAFT, DECIDE)
+        rows["token"].append(_cell(_tok(t.text), drafted, here and now.kind == DRAFT))
+        rows["q (draft)"].append(_cell(f"{t.q:.3f}", drafted))
+        rows["p (target)"].append(_cell(f"{t.p:.3f}", verified, now.kind == VERIFY))
+        test = ("argmax" if t.status == ACCEPTED else "not argmax") if greedy else (
+            f"{t.accept_prob:.3f} vs {t.u:.3f}" if t.u is not None else "–")
+        rows["greedy test" if greedy else "min(1, p/q) vs u"].append(_cell(test, i in decided, here and
+                                                                               now.kind == DECIDE))
+        verdict = {ACCEPTED: "kept", REJECTED: "rejected"}.get(t.status, "dropped")
+        shown = i in decided or (added and t.status not in (ACCEPTED, REJECTED))
+        rows["verdict"].append(_cell(verdict, shown, kind=t.status if shown else ""))
+    x = event.extra
+    rows["token"].append(_cell(_tok(x.text) if x else "(end)", added, added, kind=x.kind if x else ""))
+    rows["q (draft)"].append(_cell("" if x is None or x.q is None else f"{x.q:.3f}", added))
+    rows["p (target)"].append(_cell("" if x is None else f"{x.p:.3f}", added or verified))
+    rows["greedy test" if greedy else "min(1, p/q) vs u"].append(_cell("", False))
+    rows["verdict"].append(_cell(x.kind if x else "", added, kind=x.kind if x else ""))
+    body = "".join(f"<tr><th>{html.escape(name)}</th>{''.join(cells)}</tr>" for name, cells in rows.items())
+    caption = f"Round {event.index + 1}, stage {stage + 1} of {len(stages)}: {now.caption}"
+    return (f'<div class="sv-stage"><div class="sv-stage-caption">{html.escape(caption)}</div>'
+            f'<table class="sv-stage-table"><tr><th></th>{head}</tr>{body}</table></div>')
+
+
+def how_it_works_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
+    """The five steps of a round, this round's numbers filled in up to `stage`, its step marked."""
+    stages = round_stages(event, meta)
+    stage = max(0, min(stage, len(stages) - 1))
+    now, done = stages[stage], stages[: stage + 1]
+    reached = max(STEP_OF[s.kind] for s in done) + (1 if now.kind == ADD else 0)  # rollback comes with the add
+    greedy = meta.sampling.greedy
+    drafted = event.drafted
+    shown = [drafted[s.position] for s in done if s.kind == DRAFT]
+    decisions = [f"d{s.position + 1} {'kept' if drafted[s.position].status == ACCEPTED else 'rejected'}"
+                 for s in done if s.kind == DECIDE]
+    x = event.extra
+    rule = "keep it while it equals the target's most likely token" if greedy else (
+        "keep it if u < min(1, p/q), with u uniform on [0, 1)")
+    steps = [
+        ("Draft", f"the drafter proposes γ = {event.gamma} token(s): "
+                  + (", ".join(f"{_tok(t.text)} (q = {t.q:.2f})" for t in shown) or "…")),
+        ("Verify", "one target forward pass over the last token and the drafts gives p at every position: "
+                   + ", ".join(f"p(d{i + 1}) = {t.p:.2f}" for i, t in enumerate(drafted))
+                   if drafted else "nothing drafted: one plain target step"),
+        ("Accept or reject", f"for each draft in order, {rule}; stop at the first rejection: "
+                             + (", ".join(decisions) or "nothing to test")),
+        ("Add one token", "nothing (an accepted end-of-text)" if x is None else
+                          f"{ADDED_NAME[x.kind]} token {_tok(x.text)} (p = {x.p:.2f})"),
+        ("Roll back", f"{event.n_accepted + (x is not None)} token(s) join the text; the caches forget the rest: "
+                      f"target cache {event.target_cache_len} tokens"
+                      + (f", draft cache {event.draft_cache_len}" if event.draft_cache_len else "")),
+    ]
+    items = []
+    for number, (name, text) in enumerate(steps, start=1):
+        state = "sv-now" if number == STEP_OF[now.kind] or (now.kind == ADD and number == 5) else ""
+        body = html.escape(text) if number <= reached else "…"
+        items.append(f'<li class="{state}"><b>{name}</b>: {body}</li>')
+    return f'<ol class="sv-how">{"".join(items)}</ol>'

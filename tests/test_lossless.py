@@ -1,0 +1,58 @@
+"""Losslessness made visible: the sample-N check against the exact distribution, the noise it
+is compared with, and the shared-prefill batches it draws with."""
+
+import pytest
+import torch
+from conftest import words
+
+from specviz.generator import Settings, decode, generate
+from specviz.lossless import expected_tv, sample_check
+
+
+def test_expected_tv_matches_a_simulation():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01], dtype=torch.float64)
+    n, trials = 50, 20_000
+    draws = torch.multinomial(p.expand(trials, -1), n, replacement=True,
+                              generator=torch.Generator().manual_seed(0))  # [trials, n]
+    shares = torch.nn.functional.one_hot(draws, len(p)).sum(1) / n  # [trials, 5]
+    simulated = 0.5 * (shares - p).abs().sum(1).mean().item()
+    assert expected_tv(p, n) == pytest.approx(simulated, rel=0.03)
+
+
+@pytest.mark.parametrize("draft_greedy", [False, True])
+def test_speculative_draws_are_within_sampling_noise(random_pair, draft_greedy):
+    settings = Settings(gamma=3, temperature=1.0, top_k=6, seed=7, draft_greedy=draft_greedy)
+    check = sample_check(random_pair, "w1 w2", settings, n=3000, chat_template=False)
+    assert sum(c.exact for c in check.top) == pytest.approx(1.0)
+    assert sum(c.speculative for c in check.top) == pytest.approx(1.0)
+    # with 6 outcomes and 3000 draws noise alone gives E[TV] near 0.016; a wrong rule gives far more
+    assert check.tv_speculative < 2 * check.tv_noise and check.tv_target_alone < 2 * check.tv_noise
+    assert 0 < check.acceptance < 1
+    with pytest.raises(ValueError, match="temperature > 0"):
+        sample_check(random_pair, "w1 w2", Settings(), n=10, chat_template=False)
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
+def test_rows_of_one_prompt_share_a_prefill_and_each_equals_its_single_run(random_pair, cache):
+    settings = Settings(gamma=2, temperature=1.0, max_new_tokens=6, cache=cache)
+    prompt, seeds = words(1, 2, 3), [5, 6, 7, 8]
+    rows = {r: [] for r in range(4)}
+    for round_events in decode(random_pair, [prompt] * 4, settings, seeds=seeds):
+        for row, event in round_events:
+            rows[row] += event.new_tokens
+    alone = [generate(random_pair, "", Settings(**{**settings.__dict__, "seed": s}), prompt_ids=prompt).token_ids
+             for s in seeds]
+    assert [rows[r] for r in range(4)] == alone
+    assert len({tuple(a) for a in alone}) > 1  # the seeds really differ
+
+
+def test_the_command_line_prints_the_sample_check(pattern_dirs, capsys):
+    from specviz.cli import main
+
+    target, draft = pattern_dirs("llama")
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--drafter", "model", "--prompt", "w3 w4",
+                 "--no-chat-template", "--temperature", "1", "--sample-check", "300", "--device", "cpu",
+                 "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "first token, 300 + 300 draws" in out and "sampling noise alone about" in out
+    assert "'w5'" in out  # the counting language's likeliest next word heads the table
