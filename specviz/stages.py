@@ -94,8 +94,8 @@ def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
     greedy = meta.sampling.greedy
     head = "".join(f"<th>d{i + 1}</th>" for i in range(len(event.drafted)))
     head += f"<th>{'added' if event.drafted else 'target'}</th>"
-    rows = {"token": [], "q (draft)": [], "p (target)": [], "greedy test" if greedy else "min(1, p/q) vs u": [],
-            "verdict": []}
+    test_row = "greedy test" if greedy else "min(1, p/q) vs u"
+    rows: dict[str, list[str]] = {"token": [], "q (draft)": [], "p (target)": [], test_row: [], "verdict": []}
     for i, t in enumerate(event.drafted):
         drafted = i <= drafted_upto
         here = now.position == i and now.kind in (DRAFT, DECIDE)
@@ -104,8 +104,7 @@ def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
         rows["p (target)"].append(_cell(f"{t.p:.3f}", verified, now.kind == VERIFY))
         test = ("argmax" if t.status == ACCEPTED else "not argmax") if greedy else (
             f"{t.accept_prob:.3f} vs {t.u:.3f}" if t.u is not None else "–")
-        rows["greedy test" if greedy else "min(1, p/q) vs u"].append(_cell(test, i in decided, here and
-                                                                               now.kind == DECIDE))
+        rows[test_row].append(_cell(test, i in decided, here and now.kind == DECIDE))
         verdict = {ACCEPTED: "kept", REJECTED: "rejected"}.get(t.status, "dropped")
         shown = i in decided or (added and t.status not in (ACCEPTED, REJECTED))
         rows["verdict"].append(_cell(verdict, shown, kind=t.status if shown else ""))
@@ -113,7 +112,7 @@ def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
     rows["token"].append(_cell(_tok(x.text) if x else "(end)", added, added, kind=x.kind if x else ""))
     rows["q (draft)"].append(_cell("" if x is None or x.q is None else f"{x.q:.3f}", added))
     rows["p (target)"].append(_cell("" if x is None else f"{x.p:.3f}", added or verified))
-    rows["greedy test" if greedy else "min(1, p/q) vs u"].append(_cell("", False))
+    rows[test_row].append(_cell("", False))
     rows["verdict"].append(_cell(x.kind if x else "", added, kind=x.kind if x else ""))
     body = "".join(f"<tr><th>{html.escape(name)}</th>{''.join(cells)}</tr>" for name, cells in rows.items())
     caption = f"Round {event.index + 1}, stage {stage + 1} of {len(stages)}: {now.caption}"

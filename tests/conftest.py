@@ -150,3 +150,34 @@ def random_pair(tmp_path_factory):
 
 def words(*ks: int) -> list[int]:
     return [word_id(k) for k in ks]
+
+
+def seeded_rows_and_single_runs(pair, prompt: list[int], settings, seeds: list[int]):
+    """Tokens of rows of one prompt decoded together (row i seeded with seeds[i]), and of the
+    single runs with those seeds: the oracle for a shared prefill."""
+    import dataclasses
+
+    from specviz.generator import decode, generate
+
+    rows: list[list[int]] = [[] for _ in seeds]
+    for round_events in decode(pair, [prompt] * len(seeds), settings, seeds=seeds):
+        for row, event in round_events:
+            rows[row] += event.new_tokens
+    alone = [generate(pair, "", dataclasses.replace(settings, seed=s), prompt_ids=prompt).token_ids for s in seeds]
+    return rows, alone
+
+
+def seeded_runs(pair, prompt: list[int], settings, n: int, chunk: int = 2000) -> list[list]:
+    """The events of n runs of one prompt seeded 0..n-1, decoded as batches over one prefill (a
+    batch row decodes what the single run with its seed decodes: tested above)."""
+    from specviz.generator import decode
+
+    runs: list[list] = []
+    for start in range(0, n, chunk):
+        rows: dict[int, list] = {}
+        size = min(chunk, n - start)
+        for round_events in decode(pair, [prompt] * size, settings, seeds=list(range(start, start + size))):
+            for row, event in round_events:
+                rows.setdefault(row, []).append(event)
+        runs += [rows[row] for row in range(size)]
+    return runs

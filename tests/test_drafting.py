@@ -5,12 +5,12 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ARCHS, words
+from conftest import ARCHS, seeded_runs, words
 from test_generator import exact_baseline_distribution, run_both
 
 from specviz.drafters import lookup_continuation
 from specviz.events import ACCEPTED, REJECTED, TARGET, DraftedToken, RoundEvent
-from specviz.generator import Settings, generate, speculative_events
+from specviz.generator import Settings, generate
 from specviz.sampling import SamplingParams
 from specviz.schedules import ExpectedSpeedupGamma, GrowShrinkGamma, make_policy
 
@@ -60,14 +60,12 @@ def test_sampled_lookup_matches_baseline_distribution(random_pair):
     params = SamplingParams(0.9, top_k=7, top_p=0.95)
     prompt = words(1, 2, 5, 6, 1, 2)
     exact = exact_baseline_distribution(random_pair, prompt, params)
-    n, counts, drafted = 20_000, Counter(), 0
-    for seed in range(n):
-        settings = Settings(gamma=2, drafter="lookup", temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=2,
-                            record_top=0, seed=seed)
-        events = list(speculative_events(random_pair, prompt, settings))
-        drafted += events[0].gamma
-        ids = [t for e in events for t in e.new_tokens]
-        counts[tuple(ids[:2])] += 1
+    n = 20_000
+    settings = Settings(gamma=2, drafter="lookup", temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=2,
+                        record_top=0)
+    runs = seeded_runs(random_pair, prompt, settings, n)
+    drafted = sum(events[0].gamma for events in runs)
+    counts = Counter(tuple([t for e in events for t in e.new_tokens][:2]) for events in runs)
     assert drafted == n  # γ is cut to 1 by the 2-token budget; each first round drafted w5
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)

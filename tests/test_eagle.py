@@ -7,13 +7,13 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ARCHS, word_id, words
+from conftest import ARCHS, seeded_rows_and_single_runs, seeded_runs, word_id, words
 from test_generator import exact_baseline_distribution
 
 from specviz import cli
 from specviz.distill import DistillConfig, distill_eagle
 from specviz.eagle import EagleHead, HeadCache, HeadConfig
-from specviz.generator import Settings, generate, generate_batch, speculative_events
+from specviz.generator import Settings, generate, generate_batch
 from specviz.models import load_pair
 from specviz.sampling import SamplingParams
 
@@ -131,14 +131,12 @@ def test_eagle_sampled_output_follows_the_target(random_pair):
     params = SamplingParams(0.9, top_k=7, top_p=0.95)
     prompt = words(1, 2)
     exact = exact_baseline_distribution(pair, prompt, params)
-    n, counts, accepted = 20_000, Counter(), 0
-    for seed in range(n):
-        settings = Settings(gamma=2, temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=2, record_top=0,
-                            drafter="eagle", seed=seed)
-        events = list(speculative_events(pair, prompt, settings))
-        accepted += sum(e.n_accepted for e in events)
-        ids = [t for e in events for t in e.new_tokens]
-        counts[tuple(ids[:2])] += 1
+    n = 20_000
+    settings = Settings(gamma=2, temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=2, record_top=0,
+                        drafter="eagle")
+    runs = seeded_runs(pair, prompt, settings, n)
+    accepted = sum(e.n_accepted for events in runs for e in events)
+    counts = Counter(tuple([t for e in events for t in e.new_tokens][:2]) for events in runs)
     assert accepted > 1000  # the rule ran both ways
     tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)
     assert tv < 0.03, f"total variation {tv:.4f}"
@@ -177,15 +175,7 @@ def test_cli_distill_eagle_then_generate(pattern_dirs, eagle_dirs, tmp_path, cap
 
 def test_eagle_rows_of_one_prompt_share_a_prefill(eagle_pair):
     """The head's pending features are copied with the target's state to every row."""
-    from specviz.generator import decode
-
     pair = eagle_pair("llama")
     settings = Settings(gamma=3, temperature=1.0, max_new_tokens=10, drafter="eagle")
-    prompt, seeds = words(4, 5, 6), [1, 2, 3]
-    rows = {r: [] for r in range(3)}
-    for round_events in decode(pair, [prompt] * 3, settings, seeds=seeds):
-        for row, event in round_events:
-            rows[row] += event.new_tokens
-    alone = [generate(pair, "", Settings(**{**settings.__dict__, "seed": s}), prompt_ids=prompt).token_ids
-             for s in seeds]
-    assert [rows[r] for r in range(3)] == alone
+    rows, alone = seeded_rows_and_single_runs(pair, words(4, 5, 6), settings, [1, 2, 3])
+    assert rows == alone

@@ -3,9 +3,9 @@ is compared with, and the shared-prefill batches it draws with."""
 
 import pytest
 import torch
-from conftest import words
+from conftest import seeded_rows_and_single_runs, words
 
-from specviz.generator import Settings, decode, generate
+from specviz.generator import Settings
 from specviz.lossless import expected_tv, sample_check
 
 
@@ -35,14 +35,8 @@ def test_speculative_draws_are_within_sampling_noise(random_pair, draft_greedy):
 @pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
 def test_rows_of_one_prompt_share_a_prefill_and_each_equals_its_single_run(random_pair, cache):
     settings = Settings(gamma=2, temperature=1.0, max_new_tokens=6, cache=cache)
-    prompt, seeds = words(1, 2, 3), [5, 6, 7, 8]
-    rows = {r: [] for r in range(4)}
-    for round_events in decode(random_pair, [prompt] * 4, settings, seeds=seeds):
-        for row, event in round_events:
-            rows[row] += event.new_tokens
-    alone = [generate(random_pair, "", Settings(**{**settings.__dict__, "seed": s}), prompt_ids=prompt).token_ids
-             for s in seeds]
-    assert [rows[r] for r in range(4)] == alone
+    rows, alone = seeded_rows_and_single_runs(random_pair, words(1, 2, 3), settings, [5, 6, 7, 8])
+    assert rows == alone
     assert len({tuple(a) for a in alone}) > 1  # the seeds really differ
 
 
