@@ -1,12 +1,13 @@
 """specviz: watch speculative decoding, round by round."""
 
 from .events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, load_runs, save_runs
-from .generator import Settings, baseline_events, generate, speculative_events
+from .generator import Settings, baseline_events, generate, generate_batch, speculative_events
 from .models import PRESETS, ModelPair, load_pair
 from .sampling import SamplingParams, accept_or_resample, logits_to_probs
+from .stream import BatchRound, Finished, RoundDone, stream, stream_batch
 
 __all__ = [
-    "PRESETS", "DraftedToken", "ExtraToken", "ModelPair", "RoundEvent", "Run", "RunMeta", "SamplingParams",
-    "Settings", "accept_or_resample", "baseline_events", "generate", "load_pair", "load_runs",
-    "logits_to_probs", "save_runs", "speculative_events",
+    "PRESETS", "BatchRound", "DraftedToken", "ExtraToken", "Finished", "ModelPair", "RoundDone", "RoundEvent", "Run",
+    "RunMeta", "SamplingParams", "Settings", "accept_or_resample", "baseline_events", "generate", "generate_batch",
+    "load_pair", "load_runs", "logits_to_probs", "save_runs", "speculative_events", "stream", "stream_batch",
 ]

@@ -199,6 +199,11 @@ class Run:
     def finish_reason(self) -> str | None:
         return self.events[-1].finish_reason if self.events else None
 
+    def _repr_html_(self) -> str:  # a notebook draws the run (notebook.py)
+        from .notebook import run_html
+
+        return run_html(self)
+
     # --- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

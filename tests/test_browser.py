@@ -220,3 +220,29 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
                                timeout=300_000)
         assert "Rerun just now in float32" in page.locator("#fp32-status").inner_text()
         browser.close()
+
+
+NOTEBOOK_SHOT = SCREENSHOT.with_name("notebook.png")
+
+
+def test_a_runs_notebook_html_renders_in_chromium():
+    """What Jupyter shows for a Run (its _repr_html_), drawn by chromium with plotly.js embedded."""
+    from playwright.sync_api import sync_playwright
+
+    from specviz.generator import Settings, generate
+    from specviz.models import load_pair
+    from specviz.notebook import run_html
+
+    pair = load_pair(preset="offline")
+    run = generate(pair, "The future of AI", Settings(drafter="eagle", gamma=2, temperature=1.0, max_new_tokens=24))
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1000, "height": 900})
+        page.route("**/*", lambda route: route.abort())  # nothing leaves the machine
+        page.set_content(f"<html><body>{run_html(run, plotlyjs=True)}</body></html>")
+        page.locator(".js-plotly-plot .bars").first.wait_for(timeout=60_000)
+        assert page.locator(".sv-stream .sv-tok").count() >= run.n_tokens
+        assert "acceptance rate" in page.locator(".sv-stats").inner_text()
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(NOTEBOOK_SHOT), full_page=True)
+        browser.close()
