@@ -68,8 +68,9 @@ def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
         stages.append(Stage(ADD, -1, f"d{n + 1} was rejected: {source} takes its place, {_tok(x.text)} "
                                      f"(p = {x.p:.3f}), and any later drafts are dropped."))
     elif x.kind == BONUS:
-        stages.append(Stage(ADD, -1, f"All {event.gamma} drafts kept: the target's p after the last one gives a "
-                                     f"bonus token for free: {_tok(x.text)} (p = {x.p:.3f})."))
+        kept = "The draft was kept" if event.gamma == 1 else f"All {event.gamma} drafts were kept"
+        stages.append(Stage(ADD, -1, f"{kept}: the target's p after the last one gives a bonus token for free: "
+                                     f"{_tok(x.text)} (p = {x.p:.3f})."))
     else:
         stages.append(Stage(ADD, -1, f"The target's token: {_tok(x.text)} (p = {x.p:.3f})."))
     return stages
