@@ -7,6 +7,7 @@ The UI consumes events from the specviz library and never touches tensors.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -400,10 +401,14 @@ def _drop_stepper(request: gr.Request | None) -> None:
 @on_gpu
 def step(prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed, max_new_tokens,
          compare, show_rounds, drafter="model", gamma_policy="fixed", cache="static", compiled=False,
-         draft_greedy=False, request: gr.Request = None):
+         draft_greedy=False, request: gr.Request = None, *, within_round: bool = False):
     """The next round, at its first stage; with nothing to step through, a new run with the page's settings
-    (or, after a replay, the trace from its first round)."""
+    (or, after a replay, the trace from its first round). within_round (Next ▸): the shown round's next
+    stage first, while it has one."""
     stepper = _steppers.get(_session(request))
+    if within_round and stepper is not None and stepper.shown and stepper.stage + 1 < stepper.stages():
+        stepper.stage += 1
+        return stepper.view(bool(show_rounds)).stage_outputs()
     if stepper is None or not stepper.more():
         if stepper is not None and stepper.replay:
             stepper.shown = 0
@@ -429,17 +434,9 @@ def _stepper_outputs(stepper: Stepper, show_rounds):
     return view.outputs(download=stepper.trace if done else None, race=race, final=done or stepper.shown == 1)
 
 
-@on_gpu
-def next_stage(prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed, max_new_tokens,
-               compare, show_rounds, drafter="model", gamma_policy="fixed", cache="static", compiled=False,
-               draft_greedy=False, request: gr.Request = None):
-    """The next stage of the shown round; after its last, the next round (as Step)."""
-    stepper = _steppers.get(_session(request))
-    if stepper is not None and stepper.shown and stepper.stage + 1 < stepper.stages():
-        stepper.stage += 1
-        return stepper.view(bool(show_rounds)).stage_outputs()
-    return step(prompt, preset, custom_target, custom_draft, gamma, temperature, top_k, top_p, seed, max_new_tokens,
-                compare, show_rounds, drafter, gamma_policy, cache, compiled, draft_greedy, request=request)
+@functools.wraps(step)  # Gradio reads step's signature through this, so it passes the request too
+def next_stage(*inputs, **kwargs):
+    return step(*inputs, **kwargs, within_round=True)
 
 
 def previous_stage(show_rounds, request: gr.Request = None):

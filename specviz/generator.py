@@ -156,18 +156,20 @@ def _seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _top_tokens(p_row, q_row, residual_row, drafted_id, k, text) -> list[TopToken]:
-    """The union of the k most likely tokens under p and under q, and the drafted one."""
-    ids = set(torch.topk(p_row, k).indices.tolist())
-    q_top = torch.topk(q_row, k)  # only tokens q gives mass: a one-hot q (or none, after the drafts) has one or none
-    ids |= set(q_top.indices[q_top.values > 0].tolist())
-    ids.add(drafted_id)
-    ordered = sorted(ids, key=lambda i: -float(p_row[i] + q_row[i]))
-    return [
-        TopToken(i, text(i), float(p_row[i]), float(q_row[i]),
-                 None if residual_row is None else float(residual_row[i]))
-        for i in ordered
-    ]
+def _top_tokens(p_row, q_row, residual_row, chosen_id, k, text) -> list[TopToken]:
+    """The union of the k most likely tokens under p and under q (where q has mass: a one-hot q
+    has one), and the chosen one. q_row None: nothing was drafted at this position (a bonus or a
+    baseline step). Values are read in one gather each, not one tensor index per token."""
+    ids = set(torch.topk(p_row, k).indices.tolist()) | {chosen_id}
+    if q_row is not None:
+        q_top = torch.topk(q_row, k)
+        ids |= set(q_top.indices[q_top.values > 0].tolist())
+    index = torch.tensor(sorted(ids), device=p_row.device)
+    p = p_row[index].tolist()
+    q = q_row[index].tolist() if q_row is not None else [0.0] * len(p)
+    residual = residual_row[index].tolist() if residual_row is not None else [None] * len(p)
+    rows = sorted(zip(index.tolist(), p, q, residual, strict=True), key=lambda row: -(row[1] + row[2]))
+    return [TopToken(i, text(i), pi, qi, ri) for i, pi, qi, ri in rows]
 
 
 def _versions() -> dict[str, str]:
@@ -265,8 +267,7 @@ def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top
         kind = CORRECTION if n < gamma else BONUS if gamma else TARGET  # nothing drafted: a plain step
         top = []
         if record_top:  # the candidates at this position too: where two runs part, the size of the tie
-            q_row = q_show[n] if n < gamma else torch.zeros_like(p_show[n])
-            top = _top_tokens(p_show[n], q_row, None, nt, record_top, text)
+            top = _top_tokens(p_show[n], q_show[n] if n < gamma else None, None, nt, record_top, text)
         extra = ExtraToken(nt, text(nt), kind, float(p_show[n, nt]), q_extra, top)
     return drafted, extra
 
@@ -326,14 +327,13 @@ def decode(
     start = time.perf_counter()
     drafter = make_drafter(pair, settings, mode, capacity)
     # the target's state holds each row's sequence but its last token
-    first_row = {tuple(p): i for i, p in reversed(list(enumerate(prompts_ids)))}  # prompt -> its first row
-    distinct = [prompts_ids[i] for i in sorted(first_row.values())]
+    distinct = {tuple(p): k for k, p in enumerate(dict.fromkeys(map(tuple, prompts_ids)))}  # prompt -> state row
     target = KVState(pair.target, len(distinct), settings.cache, V, capacity, settings.compile)
-    prefill = target.prefill(distinct, pad, hidden=drafter.requires_hidden)
-    drafter.start(distinct, prefill.hidden)
+    prompts = [list(p) for p in distinct]
+    prefill = target.prefill(prompts, pad, hidden=drafter.requires_hidden)
+    drafter.start(prompts, prefill.hidden)
     if len(distinct) < n_rows:  # copy each distinct prompt's state to its rows
-        order = {tuple(p): k for k, p in enumerate(distinct)}
-        rows = [order[tuple(p)] for p in prompts_ids]
+        rows = [distinct[tuple(p)] for p in prompts_ids]
         target.select(rows)
         drafter.select(rows)
     _sync(device)
