@@ -93,8 +93,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, b
     packed linear with its own packing, which needs frozen weights, and graphs with frozen
     weights are never cached on disk (they hold oneDNN tensors, which do not pickle), so every
     start would compile again. With our packing as an opaque call the graph takes the weights
-    as inputs and is cached, and in bf16 it runs about as fast as the frozen graph did
-    (BENCHMARKS.md, "Compiled forwards")."""
+    as inputs and is cached; in bf16 it still beats the eager step (BENCHMARKS.md, "Compiled
+    forwards")."""
     return _packed_linear(x, packed, weight, bias, packing)
 
 
