@@ -50,6 +50,9 @@ def render_cost(pair: ModelPair, prompt: str, prompt_ids: list[int], settings: S
 # --- forward passes: what one step costs, and what verifying k tokens costs ---------------------
 
 
+MATMULS = "matrix products alone"
+
+
 @dataclass
 class StepRow:
     model: str  # "target" | "draft"
@@ -64,39 +67,63 @@ class StepRow:
 def step_times(pair: ModelPair, prompt_ids: list[int], caches: list[str], widths: tuple[int, ...] = (1, 5),
                repeats: int = 30, compile: bool = False) -> list[StepRow]:
     """ms per forward of k new tokens over a cached prompt, for each model and cache kind (and, with
-    compile, the static cache's compiled forward beside its eager one).
+    compile, the static cache's compiled forward beside its eager one). For a model with the lean
+    static forward, also its matrix products alone (`MATMULS`): each weight matrix times k rows
+    once, read from memory as in a step; no forward of that model can be faster.
 
     Each timed forward is rolled back (a verify pass whose drafts are all rejected), so every
     repeat runs at the same length; kinds and widths alternate within each repeat."""
     import torch
 
     from .kvcache import KVState
+    from .leanllama import LeanLlama
 
-    states = {}  # (model, cache label) -> state; with compile, the static cache both eager and compiled
+    def timed_forward(state: KVState):
+        def run(k: int) -> float:
+            ids = torch.tensor([prompt_ids[-k:]], device=pair.device)
+            start = time.perf_counter()
+            state.forward(ids, torch.ones_like(ids, dtype=torch.bool))
+            if pair.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = 1000 * (time.perf_counter() - start)
+            state.make_holes(0, state.width - k, state.width)
+            state.trim()
+            return elapsed
+        return run
+
+    def timed_matmuls(lean: LeanLlama):
+        linears = [m for m in lean.modules() if hasattr(m, "packing")]
+        def run(k: int) -> float:
+            inputs = {n: torch.randn(1, k, n, dtype=lean.head.weight.dtype, device=pair.device)
+                      for n in {lin.weight.shape[1] for lin in linears}}
+            start = time.perf_counter()
+            for lin in linears:
+                lin(inputs[lin.weight.shape[1]], True)
+            if pair.device.type == "cuda":
+                torch.cuda.synchronize()
+            return 1000 * (time.perf_counter() - start)
+        return run
+
+    timers = {}  # (model, cache label) -> run(k) -> ms
     for model_name, model in (("target", pair.target), ("draft", pair.draft)):
         for cache in caches:
             for compiled in (False, True) if compile and cache == "static" else (False,):
                 state = KVState(model, 1, cache, pair.vocab_size, len(prompt_ids) + max(widths) + 1, compiled)
                 with torch.inference_mode():
                     state.prefill([prompt_ids], 0)
-                states[model_name, cache + (", compiled" if compiled else "")] = state
+                timers[model_name, cache + (", compiled" if compiled else "")] = timed_forward(state)
+        if "static" in caches and LeanLlama.supports(model):
+            timers[model_name, MATMULS] = timed_matmuls(LeanLlama.of(model))
     times: dict[tuple[str, str, int], list[float]] = {}
     with torch.inference_mode():
         for rep in range(repeats + 2):  # the first two warm up (and compile)
-            for (model_name, cache), state in states.items():
+            for (model_name, cache), run in timers.items():
                 for k in widths:
-                    ids = torch.tensor([prompt_ids[-k:]], device=pair.device)
-                    start = time.perf_counter()
-                    state.forward(ids, torch.ones_like(ids, dtype=torch.bool))
-                    if pair.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    elapsed = 1000 * (time.perf_counter() - start)
-                    state.make_holes(0, state.width - k, state.width)
-                    state.trim()
+                    elapsed = run(k)
                     if rep >= 2:
                         times.setdefault((model_name, cache, k), []).append(elapsed)
     return [StepRow(model_name, cache, {k: median(times[model_name, cache, k]) for k in widths})
-            for model_name, cache in states]
+            for model_name, cache in timers]
 
 
 def step_table(rows: list[StepRow]) -> str:

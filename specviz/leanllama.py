@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 from .kvcache import slot_mask
 
 SUPPORTED = ("llama", "qwen3")
-MKL_ROWS = 5  # float32: weights also packed for MKL at this many rows (a verify pass of γ = 4)
+MKL_ROWS = 5  # float32: weights also packed for MKL at this many rows (a verify pass of γ = 4; γ = 3 pads to it)
 WIDTHS = (1, 2, 4, 8, 16, 33)  # compiled forwards: tokens per forward, padded up to one of these
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
 log = logging.getLogger("specviz")
@@ -281,31 +281,41 @@ class LeanCache:
             for cache in self.keys + self.values:
                 torch._dynamo.mark_static_address(cache)
 
+    def _width(self, batch: int, t: int) -> int:
+        """Slots a forward of t tokens runs: a compiled forward pads t to the next compiled width; a
+        float32 pass of one row short of MKL_ROWS gets a hole to reach it (the packed weights' fast
+        path: 4 rows through F.linear cost nearly twice as much as 5 packed ones)."""
+        if self.compile and self.lean.compiled is not None:
+            return next((w for w in WIDTHS if w >= t), t)
+        return MKL_ROWS if self.lean.head.packing == "mkl" and batch * t == MKL_ROWS - 1 else t
+
     @torch.inference_mode()
     def forward(self, ids, positions, real, start, hidden, last_only):
         batch, t = ids.shape
-        width = next((w for w in WIDTHS if w >= t), None) if self.compile and self.lean.compiled is not None else None
-        if width is not None:  # pad with holes to a compiled width; attention spans the whole cache
+        width = self._width(batch, t)
+        if width > t:  # pad with holes: their slots are written, attended by nothing, and overwritten later
             pad = width - t
             # fresh, standard strides: a guard on strides would compile a graph again for a view
             ids = F.pad(ids, (0, pad)).clone(memory_format=torch.contiguous_format)
             positions = F.pad(positions, (0, pad)).clone(memory_format=torch.contiguous_format)
             real = F.pad(real, (0, pad))
-            self._reserve(batch, start + width, self.lean.embed.weight)
-            slots = torch.arange(start, start + width, device=ids.device)
-            # hidden states always: one graph per width serves drafters that read them and those that do not
+        self._reserve(batch, start + width, self.lean.embed.weight)
+        slots = torch.arange(start, start + width, device=ids.device)
+        out = None
+        if self.compile and self.lean.compiled is not None and width in WIDTHS:
+            # attention spans the whole cache; hidden states always, so one graph per width serves
+            # drafters that read them and those that do not
             args = (ids, positions, slot_mask(real, start, self.capacity), slots, self.keys, self.values,
                     self.capacity, True, True)
-            out = self.lean.run_compiled(args)
-            if out is not None:  # the graph ran all padded positions: the real ones are the first t
-                logits, h = out
-                return logits[:, t - 1 : t] if last_only else logits[:, :t], h[:, :t] if hidden else None
-            ids, positions, real = ids[:, :t], positions[:, :t], real[:, : start + t]
-        end = start + t
-        self._reserve(batch, end, self.lean.embed.weight)
-        slots = torch.arange(start, end, device=ids.device)
-        return self.lean(ids, positions, slot_mask(real, start, end), slots, self.keys, self.values, end, True, hidden,
-                         last_only)
+            out = self.lean.run_compiled(args)  # None: compiling was given up, run eager
+        if out is None:
+            end = start + width
+            out = self.lean(ids, positions, slot_mask(real, start, end), slots, self.keys, self.values, end, True,
+                            hidden, last_only and width == t)
+        logits, h = out
+        if logits.shape[1] == width:  # every slot's logits: the real tokens' are the first t
+            logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
+        return logits, h[:, :t] if hidden else None
 
     def crop(self, width: int) -> None:
         pass  # the next forward writes from `width` on; the mask hides what lies beyond
