@@ -399,23 +399,33 @@ def evaluate(draft, samples: list[Sample], vocab_size: int, device) -> dict:
 
 def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str], vocab_size: int,
                       progress: Progress) -> tuple[list[FeatureSample], float]:
-    """The feature data: from cfg.data_file if it holds data for these prompts, else generated (and
-    saved there, when given). Returns the samples and the seconds spent generating them."""
+    """The feature data, grouped by prompt as generate_feature_data gives it. cfg.data_file, when
+    given, keeps every answer made so far, keyed by (prompt, temperature): answers found there are
+    reused, only the missing prompts are answered, and the file is saved again with all of them (so a
+    run with more prompts extends the data of an earlier run). Returns the samples and the seconds
+    spent generating all of them, earlier runs' included."""
     path = Path(cfg.data_file) if cfg.data_file else None
+    known: dict[tuple[str, float], dict] = {}
+    earlier_s = 0.0
     if path and path.is_file():
         saved = torch.load(path, weights_only=True)
-        if saved["prompts"] == prompts and tuple(saved["temperatures"]) == tuple(cfg.temperatures):
-            progress(f"data: {path} ({len(saved['samples'])} answers)")
-            return [FeatureSample(**s) for s in saved["samples"]], saved["generation_s"]
-        progress(f"data: {path} was made for other prompts; generating anew")
-    t0 = time.perf_counter()
-    samples = generate_feature_data(target, tokenizer, prompts, cfg, vocab_size, progress)
-    seconds = round(time.perf_counter() - t0, 1)
+        # older files hold prompts x temperatures
+        jobs = saved.get("jobs") or [(p, t) for p in saved["prompts"] for t in saved["temperatures"]]
+        known = {(p, float(t)): sample for (p, t), sample in zip(jobs, saved["samples"], strict=True)}
+        earlier_s = saved["generation_s"]
+    missing = [p for p in prompts if any((p, float(t)) not in known for t in cfg.temperatures)]
     if path:
+        progress(f"data: {len(prompts) - len(missing)} of {len(prompts)} prompts' answers found in {path}")
+    t0 = time.perf_counter()
+    if missing:
+        made = generate_feature_data(target, tokenizer, missing, cfg, vocab_size, progress)
+        jobs = [(p, float(t)) for p in missing for t in cfg.temperatures]
+        known.update(zip(jobs, (asdict(s) for s in made), strict=True))
+    seconds = round(earlier_s + time.perf_counter() - t0, 1)
+    if path and missing:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"prompts": prompts, "temperatures": list(cfg.temperatures), "generation_s": seconds,
-                    "samples": [asdict(s) for s in samples]}, path)
-    return samples, seconds
+        torch.save({"jobs": list(known), "samples": list(known.values()), "generation_s": seconds}, path)
+    return [FeatureSample(**known[(p, float(t))]) for p in prompts for t in cfg.temperatures], seconds
 
 
 def _target_and_prompts(cfg: DistillConfig, progress: Progress):

@@ -61,6 +61,27 @@ TEMPLATES = [
     "Continue this story: It all started with {t}.",
     "Explain {t} in one sentence.",
     "Write a haiku about {t}.",
+    # second ring (see training_prompts)
+    "Write a recipe-style guide to {t}.",
+    "What are the biggest challenges in {t}?",
+    "Write a news headline and a short article about {t}.",
+    "Explain {t} to someone who is sceptical about it.",
+    "Give me a study plan for learning about {t} in two weeks.",
+    "Write a tweet thread about {t}.",
+    "What would a museum exhibit about {t} include?",
+    "Write a motivational quote about {t} and explain it.",
+    "Write a C function related to {t}, with comments.",
+    "Write a unit test in Python for a function related to {t}.",
+    "Write a SQL query for a table about {t}, and explain it.",
+    "Paraphrase this sentence: {t} has changed the way many people think about the world.",
+    "Shorten this sentence: In my personal opinion, I think that {t} is really very interesting indeed.",
+    "Translate this to plain English: the utilisation of {t} facilitates optimal outcomes.",
+    "What are five fun activities related to {t}?",
+    "Write a letter to the editor about {t}.",
+    "How would you teach {t} to a class of teenagers?",
+    "Tell me a joke about {t}.",
+    "What are the ethical questions around {t}?",
+    "Write a short mystery story involving {t}.",
 ]
 
 TOPICS = [
@@ -79,13 +100,36 @@ TOPICS = [
     "regular expressions", "spreadsheets", "budgeting", "a job interview", "kindness", "winter holidays",
     "a science fair", "trains", "pirates", "dragons", "a detective", "northern lights", "mushrooms",
     "the Pyramids", "typography", "podcasts", "board games", "carnivorous plants", "the Arctic", "nuclear fusion",
+    # second ring (see training_prompts)
+    "glaciers", "octopuses", "the Great Wall of China", "knitting", "hot air balloons", "submarines", "tornadoes",
+    "ancient Egypt", "the violin", "street food", "city parks", "electric bikes", "satellites", "the Amazon river",
+    "beekeeping", "chocolate", "the human heart", "fossils", "rock climbing", "skateboarding", "thunderstorms",
+    "the Vikings", "classical music", "photography", "cloud computing", "hash tables", "binary search",
+    "REST APIs", "password managers", "open source software", "compilers", "operating systems", "spaceships",
+    "a small town", "a road trip", "moving house", "public speaking", "remote work", "minimalism", "composting",
+    "elephants", "sharks", "owls", "butterflies", "the Moon", "Mars", "comets", "the Sahara", "rivers",
+    "lighthouses", "castles", "windmills", "the Industrial Revolution", "the telephone", "paper", "maps",
+    "first aid", "healthy breakfasts", "running shoes", "a birthday party",
 ]
 
 
+# (templates, topics) each ring spans: ring 2 is TEMPLATES x TOPICS less ring 1
+RINGS = ((32, 95), (len(TEMPLATES), len(TOPICS)))
+
+
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct prompts from TEMPLATES x TOPICS (at most their product), in a seeded order."""
-    combos = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
+    """n distinct prompts from TEMPLATES x TOPICS (at most their product), in a seeded order.
+
+    The order goes ring by ring, each shuffled: templates and topics added in a later ring leave the
+    first prompts as they were (the shipped heads' configurations name their prompt count)."""
     held_out = [p.lower() for ps in BENCHMARK_PROMPTS.values() for p in ps]
-    combos = [c for c in combos if not any(h in c.lower() or c.lower() in h for h in held_out)]
-    random.Random(seed).shuffle(combos)
-    return combos[:n]
+    prompts: list[str] = []
+    inner = (0, 0)
+    for ring in RINGS:
+        combos = [TEMPLATES[i].format(t=TOPICS[j]) for i in range(ring[0]) for j in range(ring[1])
+                  if i >= inner[0] or j >= inner[1]]
+        combos = [c for c in combos if not any(h in c.lower() or c.lower() in h for h in held_out)]
+        random.Random(seed).shuffle(combos)
+        prompts += combos
+        inner = ring
+    return prompts[:n]

@@ -8,7 +8,7 @@ from conftest import words
 from specviz import cli
 from specviz.generator import Settings, generate
 from specviz.models import load_pair
-from specviz.prompts import BENCHMARK_PROMPTS, training_prompts
+from specviz.prompts import BENCHMARK_PROMPTS, RINGS, TEMPLATES, TOPICS, training_prompts
 
 
 def test_training_prompts_hold_out_the_benchmark():
@@ -16,6 +16,12 @@ def test_training_prompts_hold_out_the_benchmark():
     assert len(prompts) == len(set(prompts)) > 1000
     held_out = {p.lower() for ps in BENCHMARK_PROMPTS.values() for p in ps}
     assert not any(h in p.lower() for p in prompts for h in held_out)
+
+
+def test_the_first_ring_of_prompts_comes_first():
+    first = {TEMPLATES[i].format(t=TOPICS[j]) for i in range(RINGS[0][0]) for j in range(RINGS[0][1])}
+    everything = training_prompts(100_000)
+    assert len(everything) > len(first) and set(everything[: len(first)]) == first
 
 
 @pytest.mark.slow

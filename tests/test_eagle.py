@@ -2,6 +2,7 @@
 lossless like every drafter, the lean drafting path equal to the training forward, and the
 tiny training configuration that CI runs end to end."""
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -10,7 +11,7 @@ import torch
 from conftest import ARCHS, seeded_rows_and_single_runs, seeded_runs, word_id, words
 from test_generator import exact_baseline_distribution
 
-from specviz import cli
+from specviz import cli, distill
 from specviz.distill import DistillConfig, distill_eagle
 from specviz.eagle import EagleHead, HeadCache, HeadConfig
 from specviz.generator import Settings, generate, generate_batch
@@ -80,6 +81,28 @@ def test_eagle_distill_report(eagle_dirs):
     assert report["data"]["draft_vocab"] == DRAFT_VOCAB and 0 < report["data"]["held_out_vocab_coverage"] <= 1
     saved = json.loads((folder / "eagle_config.json").read_text())
     assert len(saved["draft_vocab"]) == DRAFT_VOCAB and (folder / "eagle_head.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_bigger_distill_reuses_the_answers_in_its_data_file(pattern_dirs, tmp_path, monkeypatch):
+    """More prompts on the same data file: only the new prompts are answered; the old answers stay."""
+    target, _ = pattern_dirs("llama")
+    (tmp_path / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(12)))
+    answered = []
+    generate = distill.generate_feature_data
+    monkeypatch.setattr(distill, "generate_feature_data", lambda t, tok, prompts, *a: answered.append(prompts)
+                        or generate(t, tok, prompts, *a))
+    data = tmp_path / "data.pt"
+    for n in (8, 12):
+        cfg = dataclasses.replace(tiny_config(target, tmp_path / "head", str(data)), prompts=n, max_steps=1)
+        distill_eagle(cfg, progress=lambda m: None)
+        saved = torch.load(data, weights_only=True)
+        if n == 8:
+            first = saved
+    assert [len(p) for p in answered] == [8, 4] and answered[1][0] == "w8 w9 w10"
+    assert saved["jobs"][: len(first["jobs"])] == first["jobs"] and len(saved["jobs"]) == 12 * 2  # two temperatures
+    for old, kept in zip(first["samples"], saved["samples"], strict=False):
+        assert old["ids"] == kept["ids"] and torch.equal(old["features"], kept["features"])
 
 
 @pytest.mark.slow
