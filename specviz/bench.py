@@ -76,7 +76,7 @@ def step_times(pair: ModelPair, prompt_ids: list[int], caches: list[str], widths
     import torch
 
     from .kvcache import KVState
-    from .leanllama import LeanLlama
+    from .leanllama import LeanLlama, Linear
 
     def timed_forward(state: KVState):
         def run(k: int) -> float:
@@ -92,7 +92,7 @@ def step_times(pair: ModelPair, prompt_ids: list[int], caches: list[str], widths
         return run
 
     def timed_matmuls(lean: LeanLlama):
-        linears = [m for m in lean.modules() if hasattr(m, "packing")]
+        linears = [m for m in lean.modules() if isinstance(m, Linear)]
         def run(k: int) -> float:
             inputs = {n: torch.randn(1, k, n, dtype=lean.head.weight.dtype, device=pair.device)
                       for n in {lin.weight.shape[1] for lin in linears}}

@@ -283,11 +283,11 @@ class LeanCache:
 
     def _width(self, batch: int, t: int) -> int:
         """Slots a forward of t tokens runs: a compiled forward pads t to the next compiled width; a
-        float32 pass of one row short of MKL_ROWS gets a hole to reach it (the packed weights' fast
-        path: 4 rows through F.linear cost nearly twice as much as 5 packed ones)."""
+        float32 pass of a single row one token short of MKL_ROWS gets a hole to reach it (the packed
+        weights' fast path: 4 rows through F.linear cost nearly twice as much as 5 packed ones)."""
         if self.compile and self.lean.compiled is not None:
             return next((w for w in WIDTHS if w >= t), t)
-        return MKL_ROWS if self.lean.head.packing == "mkl" and batch * t == MKL_ROWS - 1 else t
+        return MKL_ROWS if self.lean.head.packing == "mkl" and batch == 1 and t == MKL_ROWS - 1 else t
 
     @torch.inference_mode()
     def forward(self, ids, positions, real, start, hidden, last_only):

@@ -49,8 +49,9 @@ def test_rolled_back_state_equals_a_fresh_forward(pattern_pair, arch, kind):
 
 
 def test_a_float32_pass_one_row_short_of_the_mkl_width_runs_padded(pattern_pair, monkeypatch):
-    """A float32 verify pass of 4 tokens (γ = 3) runs as 5 slots, the last a hole, so it takes the
-    MKL-packed path; its logits, and the next forward after a rollback, equal fresh forwards."""
+    """A single row's float32 verify pass of 4 tokens (γ = 3) runs as 5 slots, the last a hole, so
+    it takes the MKL-packed path; its logits, and the next forward after a rollback, equal fresh
+    forwards. Four rows of one token (4 rows too) are not padded."""
     pair = pattern_pair("llama")
     lean = LeanLlama.of(pair.target)
     if lean.head.packing != "mkl":
@@ -68,6 +69,10 @@ def test_a_float32_pass_one_row_short_of_the_mkl_width_runs_padded(pattern_pair,
         state.make_holes(0, start + 2, start + 4)  # keeps draft 4; rejects 9 and what follows
         state.trim()
         after = state.forward(torch.tensor([words(5)]), torch.ones(1, 1, dtype=torch.bool)).logits[0, -1]
+        rows = KVState(pair.target, 4, "static", V, capacity=8)  # four rows of one token: no padding
+        rows.prefill([prompt] * 4, PAD)
+        rows.forward(torch.tensor([words(3)] * 4), torch.ones(4, 1, dtype=torch.bool))
+        assert ran[-1] == 1
     for i in range(4):
         torch.testing.assert_close(logits[i], fresh_logits(pair.target, prompt + verify[1 : i + 1], V),
                                    atol=1e-4, rtol=1e-4)
