@@ -492,8 +492,7 @@ def check_float32(runs, preset, custom_target, custom_draft):
                  for mode in ("speculative", "baseline")]
     except (ValueError, OSError, RuntimeError) as err:
         return error_html(f"Error: {err}")
-    shown = first_difference(spec.token_ids, base.token_ids)
-    at = first_difference(again[0].token_ids, again[1].token_ids)
+    shown, at = greedy_diff(spec, base), greedy_diff(*again)
     before = (f"In {spec.meta.dtype} (the runs above) they "
               + ("are identical." if shown is None else f"part at generated token {shown + 1}."))
     after = (f"identical, token for token ({again[0].n_tokens} tokens)" if at is None

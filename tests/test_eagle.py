@@ -90,8 +90,12 @@ def test_a_bigger_distill_reuses_the_answers_in_its_data_file(pattern_dirs, tmp_
     (tmp_path / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(12)))
     answered = []
     generate = distill.generate_feature_data
-    monkeypatch.setattr(distill, "generate_feature_data", lambda t, tok, prompts, *a: answered.append(prompts)
-                        or generate(t, tok, prompts, *a))
+
+    def spy(target, tokenizer, prompts, *rest):
+        answered.append(prompts)
+        return generate(target, tokenizer, prompts, *rest)
+
+    monkeypatch.setattr(distill, "generate_feature_data", spy)
     data = tmp_path / "data.pt"
     for n in (8, 12):
         cfg = dataclasses.replace(tiny_config(target, tmp_path / "head", str(data)), prompts=n, max_steps=1)
