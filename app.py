@@ -22,7 +22,7 @@ import gradio as gr
 
 from specviz import charts
 from specviz.events import Run, load_runs
-from specviz.generator import MAX_GAMMA, Settings, compile_by_default, generate
+from specviz.generator import HEAD_DRAFTERS, MAX_GAMMA, Settings, compile_by_default, generate
 from specviz.generator import validate_prompt as check_prompt
 from specviz.lossless import sample_check
 from specviz.models import PRESETS, ModelPair, load_pair
@@ -61,7 +61,8 @@ EDIT_EXAMPLES = [
     "has been very reliable.",
 ]
 DRAFTER_CHOICES = [("draft model", "model"), ("prompt lookup (copies from the prompt, no model)", "lookup"),
-                   ("EAGLE head (reads the target's hidden states)", "eagle")]
+                   ("EAGLE head (reads the target's hidden states)", "eagle"),
+                   ("prompt lookup where the text repeats, EAGLE head elsewhere", "lookup+eagle")]
 POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on a rejection)", "grow-shrink"),
                   ("expected speedup (from measured α and costs)", "expected")]
 CACHE_CHOICES = [("static (pre-allocated; rollback moves a length)", "static"),
@@ -772,7 +773,7 @@ def warm_up() -> None:
     the first visitor's first round pays neither for loading nor for the kernels' first calls (nor,
     with SPECVIZ_COMPILE=1, for compiling the default settings' forwards)."""
     pair = get_pair("offline", "", "")
-    drafter = FIRST_RUN.drafter if FIRST_RUN.drafter != "eagle" or pair.head is not None else "model"
+    drafter = FIRST_RUN.drafter if FIRST_RUN.drafter not in HEAD_DRAFTERS or pair.head is not None else "model"
     # a full round at the first run's γ
     settings = Settings(gamma=FIRST_RUN.gamma, drafter=drafter, max_new_tokens=FIRST_RUN.gamma + 2, record_top=0)
     for mode in ("speculative", "baseline"):

@@ -9,7 +9,7 @@ from statistics import median
 
 from . import charts
 from .events import Run
-from .generator import Settings, make_meta, speculative_events
+from .generator import HEAD_DRAFTERS, Settings, make_meta, speculative_events
 from .models import ModelPair
 from .rendering import stats_html, stream_html
 
@@ -162,7 +162,7 @@ class BenchRow:
     tps_spread: float = 0.0  # (max - min) / median of specviz tokens/s over repeats
     identical_to_baseline: bool | None = None  # greedy only
     identical_to_hf: bool | None = None  # greedy only
-    drafter: str = "model"  # "model" | "lookup" | "eagle"
+    drafter: str = "model"  # one of DRAFTERS
     policy: str = "fixed"  # γ policy (schedules.py)
     mean_gamma: float | None = None  # drafted tokens per round, for adaptive policies
     cache: str = "static"
@@ -208,7 +208,7 @@ def _assistant_drafts(draft, gamma: int):
 def _hf_counterpart(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> tuple[float, list[int]] | None:
     """HF assisted generation (draft model) or HF prompt lookup at the same γ; None for adaptive γ
     and for the EAGLE head (transformers has no counterpart)."""
-    if settings.gamma_policy != "fixed" or settings.drafter == "eagle":
+    if settings.gamma_policy != "fixed" or settings.drafter in HEAD_DRAFTERS:
         return None
     if settings.drafter == "lookup":
         return _hf_generate(pair, prompt_ids, settings, prompt_lookup_num_tokens=settings.gamma)
@@ -225,8 +225,9 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
     tps = [r.tokens_per_s for r in specs]
     c = cost_ratio(spec, base)
     alpha = spec.acceptance_rate
-    # The bound assumes i.i.d. acceptance at a fixed γ from a drafter with a cost: not lookup, not adaptive γ.
-    bounded = settings.drafter != "lookup" and settings.gamma_policy == "fixed"
+    # The bound assumes i.i.d. acceptance at a fixed γ from a drafter with a cost: not lookup (copies are
+    # kept in runs), not adaptive γ.
+    bounded = "lookup" not in settings.drafter and settings.gamma_policy == "fixed"
     bound = speedup_bound(alpha, settings.gamma, c) if bounded and alpha is not None and c is not None else None
     speedup = median(s.tokens_per_s / b.tokens_per_s for s, b in zip(specs, bases, strict=True))
     row = BenchRow(category, prompt, settings.temperature, settings.gamma, alpha, spec.tokens_per_round, c,
@@ -266,7 +267,7 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     from .generator import generate
     from .models import encode_prompt
 
-    sweep = {"model": gammas, "lookup": lookup_gammas or gammas, "eagle": eagle_gammas or gammas}
+    sweep = {"model": gammas, "lookup": lookup_gammas or gammas, **dict.fromkeys(HEAD_DRAFTERS, eagle_gammas or gammas)}
     first = next(iter(prompts.values()))[0]
     for drafter in drafters:  # warm-up: first calls of every kernel and path (and every compiled width)
         for gamma in sweep[drafter]:

@@ -92,8 +92,9 @@ def cache_lengths(run: Run | None) -> PlotlySpec:
     Derived from the events: the target holds the text but its last token, its verify pass
     appends that token and the g drafts, and the rollback keeps the n accepted. A draft model
     writes d_1..d_{g-1} and keeps the accepted ones; an EAGLE head's drafted entries are always
-    dropped (the target's real features replace them next round). Without a KV cache
-    (cache "none") nothing is kept: every forward recomputes the whole text, shown as such.
+    dropped (the target's real features replace them next round); a round prompt lookup drafted
+    writes nothing. Without a KV cache (cache "none") nothing is kept: every forward recomputes
+    the whole text, shown as such.
     """
     events = run.events if run else []
     x = [e.index + 1 for e in events]
@@ -114,9 +115,12 @@ def cache_lengths(run: Run | None) -> PlotlySpec:
     bars("target: rolled back", "target", [v - k for v, k in zip(verified, kept, strict=True)], kept,
          COLOURS["rejected"], marker={"pattern": {"shape": "/"}})
     drafter = run.meta.drafter if run else ""
-    if drafter in ("model", "eagle") and any(e.draft_cache_len for e in events):
+    if drafter in ("model", "eagle", "lookup+eagle") and any(e.draft_cache_len for e in events):
         draft_kept = [e.draft_cache_len for e in events]
-        dropped = [max(0, len(e.drafted) - 1 - (0 if drafter == "eagle" else e.n_accepted)) for e in events]
+        # a draft model keeps its accepted entries, a head none; a round lookup drafted wrote nothing
+        kept_entries = [e.n_accepted if drafter == "model" else 0 for e in events]
+        dropped = [0 if e.drafted_by == "lookup" else max(0, len(e.drafted) - 1 - k)
+                   for e, k in zip(events, kept_entries, strict=True)]
         bars(f"{'draft' if drafter == 'model' else 'EAGLE head'}: kept", "draft", draft_kept, None,
              COLOURS["accepted"])
         bars("drafted, then dropped", "draft", dropped, draft_kept, COLOURS["rejected"],

@@ -12,6 +12,7 @@ from dataclasses import replace
 from .events import save_runs
 from .generator import (
     DRAFTERS,
+    HEAD_DRAFTERS,
     MAX_BATCH,
     MAX_GAMMA,
     MAX_NEW_TOKENS,
@@ -43,7 +44,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--drafter", choices=list(DRAFTERS),
                    help="default: the preset's. model: the pair's draft model; lookup: copy from the prompt and text "
                         "(n-grams); eagle: the target's EAGLE head (reads its hidden states; the offline preset "
-                        "ships one)")
+                        "ships one); lookup+eagle: lookup where the text repeats itself (3 or more tokens match), "
+                        "the head elsewhere")
     g.add_argument("--head", metavar="DIR", help="an EAGLE head for the target (from `distill --kind eagle`)")
     g.add_argument("--gamma-policy", choices=list(POLICIES),
                    help="default: the preset's, else fixed. fixed; grow-shrink: +2 after a fully accepted round, "
@@ -274,9 +276,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--preset", choices=list(PRESETS), default="offline")
     b.add_argument("--gammas", default="1,2,4", help="comma-separated γ values for the draft model")
     b.add_argument("--lookup-gammas", default="2,4,8", help="comma-separated γ values for prompt lookup")
-    b.add_argument("--eagle-gammas", default="2,3,4,6", help="comma-separated γ values for the EAGLE head")
-    b.add_argument("--drafters", default="model,lookup,eagle",
-                   help="comma-separated: model, lookup, eagle (eagle is skipped for a pair with no head)")
+    b.add_argument("--eagle-gammas", default="2,3,4,6",
+                   help="comma-separated γ values for the EAGLE head (eagle and lookup+eagle)")
+    b.add_argument("--drafters", default="model,lookup,eagle,lookup+eagle",
+                   help="comma-separated: model, lookup, eagle, lookup+eagle (the last two are skipped for a pair "
+                        "with no head)")
     b.add_argument("--policies", default="grow-shrink,expected",
                    help="adaptive γ policies to run with their defaults ('' for none)")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
@@ -340,9 +344,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Settings(gamma=g, max_new_tokens=max_new, cache=args.cache).validate()
     pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
-    if "eagle" in drafters and pair.head is None:
-        print("no EAGLE head for this pair: the eagle drafter is skipped", file=sys.stderr)
-        drafters.remove("eagle")
+    if pair.head is None and set(drafters) & set(HEAD_DRAFTERS):
+        print("no EAGLE head for this pair: the drafters that need one are skipped", file=sys.stderr)
+        drafters = [d for d in drafters if d not in HEAD_DRAFTERS]
     command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
     steps = []
     if step_caches:

@@ -3,14 +3,14 @@
 Like transformers' `CandidateGenerator`: a drafter proposes γ tokens with the distribution q each
 was drawn from, and is then told how many the target kept, so it can roll its state back.
 The generator never looks inside a drafter, so other drafters plug in: a draft model, a head on
-the target's own hidden states (EAGLE), n-gram lookup in the text itself (no model at all), or
-none (the baseline). A drafter may propose fewer
-than γ tokens, even none. Drafters work on B rows at once; a single prompt is a batch of one.
+the target's own hidden states (EAGLE), n-gram lookup in the text itself (no model at all), lookup
+where the text repeats and another drafter elsewhere, or none (the baseline). A drafter may propose
+fewer than γ tokens, even none. Drafters work on B rows at once; a single prompt is a batch of one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -26,6 +26,7 @@ class Proposal:
     tokens: torch.Tensor  # [γ] drafted ids (γ may be less than asked for, even 0)
     q: torch.Tensor  # [γ, V] the distribution each token was drawn from (one-hot when greedy)
     logits: torch.Tensor | None = None  # [γ, V] raw draft logits, if the drafter has a model
+    source: str = ""  # which part of a combined drafter proposed (e.g. "lookup"); "" for a single one
 
 
 class Drafter(Protocol):
@@ -281,6 +282,43 @@ class PromptLookupDrafter(StatelessDrafter):
             q[torch.arange(tokens.shape[0], device=seq.device), tokens] = 1.0
             out.append(Proposal(tokens, q))
         return out
+
+
+class LookupFirstDrafter:
+    """Prompt lookup where the text repeats itself, another drafter everywhere else.
+
+    Where a row's last n >= min_ngram tokens occurred before (an edit copying its passage, code
+    repeating a name), it drafts the continuation of that match, q one-hot, as PromptLookupDrafter
+    does; every other row drafts with `fallback`. Requiring a few tokens of match keeps lookup to
+    real copying: one or two tokens recur all over ordinary prose, and what followed them once says
+    little about what comes next, where the fallback knows better. The fallback sees every round:
+    it is asked for no drafts on a copied row and told every verification, so its state stays
+    whole. Each row's proposal is exact on its own terms, so the acceptance rule stays exact.
+    """
+
+    def __init__(self, fallback: Drafter, vocab_size: int, min_ngram: int = 3, max_ngram: int = 4):
+        self.fallback, self.requires_hidden = fallback, fallback.requires_hidden
+        self.lookup = PromptLookupDrafter(vocab_size, max_ngram, min_ngram)
+        self.name = f"{PromptLookupDrafter.name} where the text repeats, else the {fallback.name}"
+
+    def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
+        self.fallback.start(prompts, hidden)
+
+    def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
+                generators: list[torch.Generator]) -> list[Proposal]:
+        copied = self.lookup.propose(seqs, gammas, params, generators)
+        rest = self.fallback.propose(seqs, [0 if c.tokens.numel() else g for c, g in zip(copied, gammas, strict=True)],
+                                     params, generators)
+        return [replace(c, source="lookup") if c.tokens.numel() else r for c, r in zip(copied, rest, strict=True)]
+
+    def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
+        self.fallback.verified(n_accepted, hidden)
+
+    def select(self, rows: list[int]) -> None:
+        self.fallback.select(rows)
+
+    def cache_lens(self) -> list[int]:
+        return self.fallback.cache_lens()
 
 
 def lookup_continuation(seq: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int = 1) -> torch.Tensor:

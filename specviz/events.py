@@ -23,6 +23,10 @@ from typing import Any
 
 from .sampling import SamplingParams
 
+# What drafts a speculative run (generator.make_drafter builds each): the pair's draft model, prompt
+# lookup, the pair's EAGLE head, or prompt lookup where the text repeats and the head elsewhere.
+DRAFTERS = ("model", "lookup", "eagle", "lookup+eagle")
+
 TRACE_FORMAT = "specviz-trace/1"
 
 ACCEPTED, REJECTED, UNVERIFIED = "accepted", "rejected", "unverified"
@@ -84,6 +88,7 @@ class RoundEvent:
     tokens_so_far: int  # generated tokens, this round's included
     elapsed_ms: float  # since the run started, prefill included
     finish_reason: str | None = None  # "eos" | "length" on the last round
+    drafted_by: str = ""  # in a run whose drafter combines two: "lookup" where prompt lookup drafted
 
     @property
     def n_rejected(self) -> int:
@@ -120,7 +125,7 @@ class RunMeta:
     cache: str = ""  # KV cache kind: "static" | "dynamic" | "none" ("" in traces from before it was recorded)
     compiled: bool = False  # compiled forwards were asked for
     draft_greedy: bool = False  # a sampled run whose drafter proposed its argmax (q one-hot)
-    drafter: str = ""  # "model" | "lookup" | "eagle" for a speculative run ("" for the baseline and old traces)
+    drafter: str = ""  # one of DRAFTERS for a speculative run ("" for the baseline and old traces)
     versions: dict[str, str] = field(default_factory=dict)
 
 
@@ -222,7 +227,7 @@ _AT_LEAST = {"index": 0, "gamma": 0, "n_accepted": 0, "target_cache_len": 0, "dr
 _PROBABILITIES = {"p", "q", "accept_prob", "u", "residual", "top_p"}
 _CHOICES = {"status": (ACCEPTED, REJECTED, UNVERIFIED), "kind": (CORRECTION, BONUS, TARGET),
             "mode": ("speculative", "baseline"), "finish_reason": (None, "eos", "length"),
-            "drafter": ("", "model", "lookup", "eagle")}
+            "drafter": ("", *DRAFTERS), "drafted_by": ("", "lookup")}
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

@@ -21,11 +21,19 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
-from .drafters import Drafter, DraftModelDrafter, EagleDrafter, NoDrafter, PromptLookupDrafter
+from .drafters import (
+    Drafter,
+    DraftModelDrafter,
+    EagleDrafter,
+    LookupFirstDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+)
 from .events import (
     ACCEPTED,
     BONUS,
     CORRECTION,
+    DRAFTERS,
     REJECTED,
     TARGET,
     UNVERIFIED,
@@ -45,7 +53,7 @@ MAX_GAMMA = 32
 MAX_NEW_TOKENS = 4096
 MAX_SEED = 2**63 - 1
 MAX_BATCH = 16
-DRAFTERS = ("model", "lookup", "eagle")  # the pair's draft model, prompt lookup, or the pair's EAGLE head
+HEAD_DRAFTERS = ("eagle", "lookup+eagle")  # those that need the pair's EAGLE head
 
 
 def compile_by_default() -> bool:
@@ -60,7 +68,7 @@ class Settings:
     gamma: int = 4  # tokens drafted per round; where a policy adapts it, the first round's
     gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected" (schedules.py)
     gamma_max: int = 16  # the most an adaptive policy may draft
-    drafter: str = "model"  # "model" | "lookup" | "eagle"
+    drafter: str = "model"  # one of DRAFTERS
     # sampled runs: the drafter proposes its argmax and the rule takes q as one-hot (exact, as for
     # prompt lookup); acceptance becomes p(d) for the draft's likeliest d instead of min(1, p/q)
     draft_greedy: bool = False
@@ -181,15 +189,17 @@ def drafter_name(pair: ModelPair, drafter: str) -> str:
     if drafter == "eagle":
         origin = pair.head.config.origin if pair.head is not None else ""
         return f"EAGLE head {pair.head_name}" + (f" ({origin})" if origin else "")
+    if drafter == "lookup+eagle":
+        return f"{PromptLookupDrafter.name} where the text repeats, else the {drafter_name(pair, 'eagle')}"
     return {"model": pair.draft_name, "lookup": PromptLookupDrafter.name}[drafter]
 
 
 def check_drafter(pair: ModelPair, settings: Settings) -> None:
     """ValueError (before any model work) if the pair cannot draft the way settings ask."""
-    if settings.drafter == "eagle" and pair.head is None:
-        raise ValueError("the eagle drafter needs a head trained for this target: the offline preset ships one; "
-                         "for another target make one with `python -m specviz distill --kind eagle` and load it "
-                         "with --head DIR")
+    if settings.drafter in HEAD_DRAFTERS and pair.head is None:
+        raise ValueError(f"the {settings.drafter} drafter needs a head trained for this target: the offline preset "
+                         "ships one; for another target make one with `python -m specviz distill --kind eagle` and "
+                         "load it with --head DIR")
 
 
 def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], settings: Settings,
@@ -279,9 +289,10 @@ def make_drafter(pair: ModelPair, settings: Settings, mode: str, capacity: int) 
         return NoDrafter()
     if settings.drafter == "lookup":
         return PromptLookupDrafter(pair.vocab_size)
-    if settings.drafter == "eagle":
+    if settings.drafter in HEAD_DRAFTERS:
         check_drafter(pair, settings)
-        return EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, drafter_name(pair, "eagle"))
+        head = EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, drafter_name(pair, "eagle"))
+        return head if settings.drafter == "eagle" else LookupFirstDrafter(head, pair.vocab_size)
     return DraftModelDrafter(pair.draft, pair.vocab_size, pad_id(pair), settings.cache, capacity, settings.compile)
 
 
@@ -385,7 +396,7 @@ def decode(
                 index=indices[r], gamma=g, drafted=tokens, extra=extra, n_accepted=n,
                 draft_ms=share * (t1 - t0), verify_ms=share * (t2 - t1), target_cache_len=target_lens[i],
                 draft_cache_len=draft_lens[i] if draft_lens else 0, tokens_so_far=generated[r],
-                elapsed_ms=elapsed, finish_reason=finish,
+                elapsed_ms=elapsed, finish_reason=finish, drafted_by=proposals[i].source,
             )
             indices[r] += 1
             policies[r].observe(event)

@@ -149,7 +149,8 @@ def stream_html(run: Run | None, show_rounds: bool = False, diff_at: int | None 
         for i, t in enumerate(e.drafted):
             if t.status not in ("accepted", REJECTED):
                 continue
-            title = (f"round {e.index + 1}, draft position {i + 1}: {t.status}\n"
+            by = " (copied by prompt lookup)" if e.drafted_by == "lookup" else ""
+            title = (f"round {e.index + 1}, draft position {i + 1}{by}: {t.status}\n"
                      f"p = {_fmt(t.p)}  q = {_fmt(t.q)}\nmin(1, p/q) = {_fmt(t.accept_prob)}  u = {_fmt(t.u)}")
             mark = "sv-diff" if t.accepted and position == diff_at else ""
             parts.append(_span(t.text, t.status, title, mark))
@@ -179,6 +180,9 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         ("rounds (target passes)", str(spec.target_passes)),
         ("speculative tokens/s", f"{spec.tokens_per_s:.1f}"),
     ]
+    copied = sum(e.drafted_by == "lookup" for e in spec.events)
+    if copied:
+        rows.append(("rounds drafted by prompt lookup", f"{copied} of {len(spec.events)}"))
     if spec.meta.cache:
         rows.append(("KV cache", spec.meta.cache + (", compiled" if spec.meta.compiled else "")))
     c = cost_ratio(spec, baseline)

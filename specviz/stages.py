@@ -37,9 +37,11 @@ def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
     """The stages of a round, in the order they happen."""
     greedy = meta.sampling.greedy
     one_hot = greedy or meta.draft_greedy
+    copied = meta.drafter == "lookup" or event.drafted_by == "lookup"
     stages = []
     for i, t in enumerate(event.drafted):
-        how = "its most likely token" if one_hot else "a token sampled from q"
+        how = ("copied from where the text's last tokens occurred before (prompt lookup)" if copied
+               else "its most likely token" if one_hot else "a token sampled from q")
         stages.append(Stage(DRAFT, i, f"The drafter proposes d{i + 1} = {_tok(t.text)}, {how} "
                                       f"(q = {t.q:.3f})."))
     if event.drafted:

@@ -113,6 +113,20 @@ def test_eagle_head_runs_and_names_its_origin(app_url):
     assert spec.events[0].draft_cache_len > len(spec.meta.prompt_ids) - 2  # entries up to the last real position
 
 
+def test_lookup_then_eagle_copies_where_the_answer_repeats_the_prompt(app_url):
+    client = Client(app_url, verbose=False)
+    prompt = ("Replace 'car' with 'bicycle' in this text: My car is parked outside. I bought the car last year, and "
+              "the car has been very reliable.")
+    status, _, _, _, stats, *_rest, download, _race, _stage, _how = call(
+        client, prompt=prompt, temperature=0.0, drafter="lookup+eagle", gamma=2, max_new_tokens=24)
+    assert "done: 24 tokens" in status
+    spec, _ = load_runs(download)
+    assert spec.meta.draft.startswith("prompt lookup where the text repeats, else the EAGLE head eagle-smollm2-135m")
+    copied = sum(e.drafted_by == "lookup" for e in spec.events)
+    assert copied and any(e.gamma and not e.drafted_by for e in spec.events)  # both drafters had rounds
+    assert stat(stats, "rounds drafted by prompt lookup") == f"{copied} of {len(spec.events)}"
+
+
 def test_a_preset_brings_its_first_run_settings():
     import app
     from specviz.models import PRESETS

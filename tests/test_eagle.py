@@ -11,7 +11,7 @@ import torch
 from conftest import ARCHS, seeded_rows_and_single_runs, seeded_runs, word_id, words
 from test_generator import exact_baseline_distribution
 
-from specviz import cli, distill
+from specviz import charts, cli, distill
 from specviz.distill import DistillConfig, distill_eagle
 from specviz.eagle import EagleHead, HeadCache, HeadConfig
 from specviz.generator import Settings, generate, generate_batch
@@ -165,6 +165,68 @@ def test_eagle_sampled_output_follows_the_target(random_pair):
     accepted = sum(e.n_accepted for events in runs for e in events)
     counts = Counter(tuple([t for e in events for t in e.new_tokens][:2]) for events in runs)
     assert accepted > 1000  # the rule ran both ways
+    tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)
+    assert tv < 0.03, f"total variation {tv:.4f}"
+
+
+# ends on a 3-gram seen before: lookup copies what followed it (w5 w6 ...); past w9 nothing repeats
+REPEATING = words(2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lookup_then_eagle_greedy_equals_baseline(eagle_pair, arch):
+    pair = eagle_pair(arch)
+    settings = Settings(gamma=4, max_new_tokens=24, drafter="lookup+eagle")
+    spec = generate(pair, "", settings, prompt_ids=REPEATING)
+    base = generate(pair, "", settings, mode="baseline", prompt_ids=REPEATING)
+    assert spec.token_ids == base.token_ids
+    sources = [e.drafted_by for e in spec.events if e.gamma]
+    assert sources[0] == "lookup" and "" in sources  # copied first, then the head where nothing repeats
+    assert spec.meta.draft.startswith("prompt lookup where the text repeats, else the EAGLE head")
+    # the head caught up on copied rounds too: before drafting, an entry for every position of the text but its last
+    before = [len(REPEATING) + e.tokens_so_far - len(e.new_tokens) for e in spec.events]
+    assert [e.draft_cache_len for e in spec.events] == [length - 1 for length in before]
+    chart = {t["name"]: t["y"] for t in charts.cache_lengths(spec)["data"]}
+    assert all(d == 0 for d, e in zip(chart["drafted, then dropped"], spec.events, strict=True) if e.drafted_by)
+
+
+@pytest.mark.slow
+def test_lookup_then_eagle_batch_rows_equal_single_runs(eagle_pair):
+    pair = eagle_pair("llama")
+    prompts = [REPEATING, words(2, 3, 4), words(10), words(20, 21, 22, 23, 24, 25)]  # ragged; copies and drafts
+    for settings in (Settings(gamma=3, max_new_tokens=20, drafter="lookup+eagle"),
+                     Settings(gamma=3, max_new_tokens=20, drafter="lookup+eagle", temperature=1.0, seed=5)):
+        batch = generate_batch(pair, [""] * 4, settings, prompts_ids=prompts)
+        singles = [generate(pair, "", settings, prompt_ids=p) for p in prompts]
+        assert [r.token_ids for r in batch] == [r.token_ids for r in singles]
+        assert [e.drafted_by for e in batch[0].events] == [e.drafted_by for e in singles[0].events]
+        first = [r.events[0] for r in batch]  # one round, two drafters: row 0 copies, row 1 asks the head
+        assert first[0].drafted_by == "lookup" and first[1].drafted_by == "" and first[1].gamma == 3
+
+
+@pytest.mark.slow
+def test_lookup_then_eagle_sampled_output_follows_the_target(random_pair):
+    """Round 1 copies (the prompt ends on a repeated 3-gram); after a rejected copy the head drafts
+    the second token. 20 000 runs: the first two tokens follow the target's exact law."""
+    target, vocab = random_pair.target, random_pair.vocab_size
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(target, [word_id(k) for k in (0, 1, 2, 5)], vocab, 16))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    pair = random_pair.__class__(**{**random_pair.__dict__, "head": head.to(torch.float64).bind(target, vocab),
+                                    "head_name": "random"})
+    params = SamplingParams(0.9, top_k=7, top_p=0.95)
+    prompt = words(1, 2, 3, 1, 2, 3)
+    exact = exact_baseline_distribution(pair, prompt, params)
+    n = 20_000
+    settings = Settings(gamma=2, temperature=0.9, top_k=7, top_p=0.95, max_new_tokens=3, record_top=0,
+                        drafter="lookup+eagle")
+    runs = seeded_runs(pair, prompt, settings, n)
+    drafted = Counter((e.index, e.drafted_by, e.n_accepted > 0) for events in runs for e in events if e.gamma)
+    assert drafted[0, "lookup", True] > 1000 and drafted[0, "lookup", False] > 1000  # copies kept and rejected
+    assert drafted[1, "", True] > 500 and drafted[1, "", False] > 500  # the head's draft for token 2, both ways
+    counts = Counter(tuple([t for e in events for t in e.new_tokens][:2]) for events in runs)
     tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)
     assert tv < 0.03, f"total variation {tv:.4f}"
 

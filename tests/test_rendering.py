@@ -1,5 +1,7 @@
 """The UI's building blocks: escaped HTML, hover text, charts that keep their zoom, the theory."""
 
+import dataclasses
+
 import pytest
 
 from specviz import charts
@@ -28,6 +30,15 @@ def test_token_text_is_escaped_and_hover_has_p_q_u():
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert html.count("sv-accepted") == 3 and html.count("sv-rejected") == 1
     assert "p = 0.1000  q = 0.6000" in html and "u = 0.9000" in html and "│2" in html
+
+
+def test_rounds_prompt_lookup_drafted_are_named_in_hover_and_stats():
+    run = make_run()
+    run.events[1] = dataclasses.replace(run.events[1], drafted_by="lookup")
+    html = stream_html(run)
+    assert html.count("(copied by prompt lookup)") == 2  # round 2's two drafts, not round 1's
+    assert "<td>rounds drafted by prompt lookup</td><td><b>1 of 2</b>" in stats_html(run)
+    assert "prompt lookup" not in stats_html(make_run())
 
 
 def test_summaries():

@@ -49,6 +49,13 @@ def test_how_it_works_fills_in_the_round_up_to_the_stage(random_pair):
     assert last.count('class="sv-now"') == 2  # adding the token and rolling back end the round together
 
 
+def test_a_copied_draft_is_told_as_copied_not_sampled(random_pair):
+    settings = Settings(gamma=2, temperature=1.0, max_new_tokens=6, drafter="lookup")
+    run = generate(random_pair, "", settings, prompt_ids=words(1, 2, 1, 2))
+    drafts = [s.caption for e in run.events for s in round_stages(e, run.meta) if s.kind == DRAFT]
+    assert drafts and all("copied from" in text and "sampled" not in text for text in drafts)
+
+
 def test_token_text_is_escaped_in_the_stage_view(random_pair):
     run = generate(random_pair, "", Settings(gamma=2, max_new_tokens=4), prompt_ids=words(1, 2))
     event = dataclasses.replace(run.events[0], extra=ExtraToken(5, "<script>x</script>", "bonus", 0.5))
