@@ -166,6 +166,7 @@ class BenchRow:
     policy: str = "fixed"  # γ policy (schedules.py)
     mean_gamma: float | None = None  # drafted tokens per round, for adaptive policies
     cache: str = "static"
+    seed: int = 0  # sampled runs: one seed's text is one draw, so a bench may run several (a row each)
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -233,7 +234,7 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
     row = BenchRow(category, prompt, settings.temperature, settings.gamma, alpha, spec.tokens_per_round, c,
                    median(r.tokens_per_s for r in bases), median(tps), speedup, bound,
                    speedup / bound if bound else None, tps_spread=(max(tps) - min(tps)) / median(tps),
-                   drafter=settings.drafter, policy=settings.gamma_policy, cache=settings.cache)
+                   drafter=settings.drafter, policy=settings.gamma_policy, cache=settings.cache, seed=settings.seed)
     if hf_plain:
         row.hf_plain_tps = median(t for t, _ in hf_plain)
         row.speedup_vs_best = median(s.tokens_per_s / max(b.tokens_per_s, h)
@@ -258,12 +259,14 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                max_new_tokens: int, repeats: int, with_hf: bool = True, progress=print,
                drafters: tuple[str, ...] = ("model", "lookup"), lookup_gammas: list[int] | None = None,
                policies: tuple[str, ...] = ("grow-shrink", "expected"), cache: str = "static",
-               compile: bool = False, eagle_gammas: list[int] | None = None) -> list[BenchRow]:
+               compile: bool = False, eagle_gammas: list[int] | None = None, seeds: int = 1) -> list[BenchRow]:
     """Per prompt and temperature, `repeats` blocks, each timing back to back: HF plain `generate`,
     specviz's baseline, then every setting (each drafter over its γ sweep with HF's assisted
     generation or prompt lookup at the same γ, then each adaptive policy with its defaults).
     This VM's speed drifts by tens of percent between runs, so ratios are taken within a block
-    and their median reported."""
+    and their median reported. A temperature above 0 runs each prompt with seeds 0..seeds-1, a
+    row each: two drafters decode different samples, and a median over a few prompts' single
+    samples says more about those texts than about the drafters."""
     from .generator import generate
     from .models import encode_prompt
 
@@ -278,9 +281,9 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     for category, texts in prompts.items():
         for prompt in texts:
             prompt_ids = encode_prompt(pair.tokenizer, prompt)
-            for temperature in temperatures:
+            for temperature, seed in [(t, s) for t in temperatures for s in range(seeds if t > 0 else 1)]:
                 base_settings = Settings(gamma=1, temperature=temperature, max_new_tokens=max_new_tokens,
-                                         record_top=0, cache=cache, compile=compile)
+                                         record_top=0, cache=cache, compile=compile, seed=seed)
                 settings_list = [replace(base_settings, gamma=g, drafter=d) for d in drafters for g in sweep[d]]
                 settings_list += [replace(base_settings, gamma=Settings.gamma, gamma_policy=p, drafter=d)
                                   for d in drafters for p in policies]
@@ -299,7 +302,8 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                 for settings, spec_runs, hf in zip(settings_list, specs, hfs, strict=True):
                     rows.append(_spec_row(category, prompt, settings, spec_runs, bases, hf_plain, hf))
                     label = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_policy
-                    progress(f"{category} T={temperature:g} {settings.drafter} γ={label}: α={_fmt(rows[-1].alpha)} "
+                    progress(f"{category} T={temperature:g} seed {seed} {settings.drafter} γ={label}: "
+                             f"α={_fmt(rows[-1].alpha)} "
                              f"speedup {rows[-1].speedup:.2f}x, vs the faster baseline "
                              f"{_fmt(rows[-1].speedup_vs_best)}x")
     return rows
@@ -348,16 +352,16 @@ def _gamma_label(r: BenchRow) -> str:
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
-    head = ("| category | prompt | T | drafter | γ | α | tokens/round | c | baseline tok/s | HF plain tok/s "
+    head = ("| category | prompt | T | seed | drafter | γ | α | tokens/round | c | baseline tok/s | HF plain tok/s "
             "| specviz tok/s | speedup | vs faster baseline | bound | efficiency | HF assisted tok/s "
             "| HF lookup tok/s | specviz / HF | greedy text = baseline |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
         same = "–" if r.identical_to_baseline is None else ("yes" if r.identical_to_baseline else "no")
         prompt = r.prompt.replace("\n", " ").replace("|", "\\|")[:40]
-        body += (f"| {r.category} | {prompt} | {r.temperature:g} | {r.drafter} | {_gamma_label(r)} | {_fmt(r.alpha)} | "
-                 f"{r.tokens_per_round:.2f} | {_fmt(r.c, '{:.3f}')} | {r.baseline_tps:.1f} | "
+        body += (f"| {r.category} | {prompt} | {r.temperature:g} | {r.seed} | {r.drafter} | {_gamma_label(r)} | "
+                 f"{_fmt(r.alpha)} | {r.tokens_per_round:.2f} | {_fmt(r.c, '{:.3f}')} | {r.baseline_tps:.1f} | "
                  f"{_fmt(r.hf_plain_tps, '{:.1f}')} | {r.specviz_tps:.1f} | {r.speedup:.2f}x | "
                  f"{_fmt(r.speedup_vs_best)}x | {_fmt(r.bound)} | {_fmt(r.efficiency)} | "
                  f"{_fmt(r.hf_assisted_tps, '{:.1f}')} | {_fmt(r.hf_lookup_tps, '{:.1f}')} | "
@@ -371,7 +375,7 @@ def _median(values) -> float | None:
 
 
 def summary_by_setting(rows: list[BenchRow]) -> str:
-    """Median over prompts for each (drafter, temperature, γ or policy). specviz / HF compares
+    """Median over prompts (and seeds) for each (drafter, temperature, γ or policy). specviz / HF compares
     with HF assisted generation (draft model) or HF prompt lookup (lookup) at the same γ."""
     lines = ["| drafter | T | γ | median α | median tokens/round | median c | median speedup "
              "| median vs faster baseline | median bound | median efficiency | median specviz / HF |",
@@ -393,9 +397,9 @@ def baseline_summary(rows: list[BenchRow]) -> str:
     lines = ["| T | median baseline tok/s | median HF plain tok/s | median baseline / HF plain |", "|---|---|---|---|"]
     for t in sorted({r.temperature for r in rows}):
         firsts = {}
-        for r in rows:  # every row of a prompt shares its baseline: take one per prompt
+        for r in rows:  # every row of a prompt and seed shares its baseline: take one of each
             if r.temperature == t and r.hf_plain_tps:
-                firsts.setdefault(r.prompt, r)
+                firsts.setdefault((r.prompt, r.seed), r)
         if firsts:
             sel = list(firsts.values())
             lines.append(f"| {t:g} | {_median(r.baseline_tps for r in sel):.1f} | "
@@ -453,7 +457,7 @@ def best_gamma(rows: list[BenchRow], drafter: str, temperature: float = 0.0) -> 
 
 def speedup_chart(rows: list[BenchRow]):
     """Speedup against γ (median over prompts, fixed γ) with Leviathan's bound, per temperature;
-    HF assisted generation; and both lookups."""
+    HF assisted generation; both lookups; the EAGLE head alone and after lookup."""
     from .charts import COLOURS, PlotlySpec
 
     traces = []
@@ -475,6 +479,8 @@ def speedup_chart(rows: list[BenchRow]):
         line("specviz, prompt lookup", "lookup", lambda r: r.speedup, COLOURS["bonus"])
         line("HF prompt lookup", "lookup", lambda r: r.hf_lookup_tps and r.hf_lookup_tps / r.baseline_tps,
              COLOURS["baseline"])
+        line("specviz, EAGLE head", "eagle", lambda r: r.speedup, COLOURS["eagle"])
+        line("specviz, lookup then EAGLE head", "lookup+eagle", lambda r: r.speedup, COLOURS["lookup+eagle"])
     return PlotlySpec(data=traces, layout={
         "title": {"text": "Speedup over the plain target, median over prompts"}, "xaxis": {"title": {"text": "γ"}},
         "yaxis": {"title": {"text": "speedup (tokens/s over baseline tokens/s)"}}, "width": 900, "height": 500,

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 from .theory import cost_ratio, speedup_bound
 
 COLOURS = {"accepted": "#1a9850", "rejected": "#d73027", "correction": "#2166ac", "bonus": "#8e44ad",
-           "baseline": "#7f7f7f", "speculative": "#1a9850", "theory": "#f39c12"}
+           "baseline": "#7f7f7f", "speculative": "#1a9850", "theory": "#f39c12", "eagle": "#17becf",
+           "lookup+eagle": "#e377c2"}
 
 
 class PlotlySpec(dict):

@@ -286,6 +286,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     b.add_argument("--max-new-tokens", type=int, default=48)
     b.add_argument("--repeats", type=int, default=2, help="runs per setting; medians are reported")
+    b.add_argument("--seeds", type=int, default=1,
+                   help="temperature > 0: run each prompt with seeds 0..N-1, a row each (one seed's text is one "
+                        "sample; the medians then go over prompts and seeds)")
     b.add_argument("--batch", type=int, default=4,
                    help="also time a batch of this many prompts against them one after another (0: skip)")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation and prompt lookup")
@@ -333,6 +336,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for d in drafters:
         if d not in DRAFTERS:
             raise ValueError(f"--drafters: {d!r} is not one of {', '.join(DRAFTERS)}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     for p in policies:
         if p not in POLICIES or p == "fixed":
             raise ValueError(f"--policies: {p!r} is not one of grow-shrink, expected")
@@ -356,7 +361,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
                       progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
                       lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache, compile=args.compile,
-                      eagle_gammas=eagle_gammas)
+                      eagle_gammas=eagle_gammas, seeds=args.seeds)
     write_results(rows, environment(pair), args.out, command, steps=steps)  # kept even if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...

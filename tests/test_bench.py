@@ -46,3 +46,12 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
     assert "### Forward passes" in md and "median baseline / HF plain" in md
     assert (tmp_path / "speedup.html").stat().st_size > 10_000
     assert "median speedup" in capsys.readouterr().out
+
+
+def test_a_sampled_setting_runs_once_per_seed_and_greedy_once(pattern_pair):
+    from specviz.bench import bench_pair, markdown_table
+
+    rows = bench_pair(pattern_pair("llama"), {"count": ["w1 w2 w3"]}, [2], [0.0, 1.0], 8, 1, with_hf=False,
+                      progress=lambda m: None, drafters=("model",), policies=(), seeds=3)
+    assert [(r.temperature, r.seed) for r in rows] == [(0.0, 0), (1.0, 0), (1.0, 1), (1.0, 2)]
+    assert "| count | w1 w2 w3 | 1 | 2 | model | 2 |" in markdown_table(rows)  # T, seed, drafter, γ
