@@ -169,6 +169,11 @@ class Run:
         return sum(e.gamma for e in self.events)
 
     @property
+    def copied_rounds(self) -> int:
+        """Rounds prompt lookup drafted, in a run whose drafter combines it with another."""
+        return sum(e.drafted_by == "lookup" for e in self.events)
+
+    @property
     def mean_gamma(self) -> float:
         """Tokens drafted per round: γ itself unless a policy adapted it or lookup found less."""
         return self.n_drafted / len(self.events) if self.events else float(self.meta.gamma)

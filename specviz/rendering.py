@@ -46,6 +46,7 @@ def summary(run: Run) -> str:
             f"  acceptance rate {'n/a' if alpha is None else f'{alpha:.1%}'} "
             f"({run.n_accepted} accepted, {run.n_rejected} rejected of {run.n_drafted} drafted), "
             f"{run.tokens_per_round:.2f} tokens per round over {len(run.events)} rounds ({gamma_label(run)})"
+            + (f", {run.copied_rounds} of them drafted by prompt lookup" if run.copied_rounds else "")
         )
     draft = sum(e.draft_ms for e in run.events)
     verify = sum(e.verify_ms for e in run.events)
@@ -180,9 +181,8 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         ("rounds (target passes)", str(spec.target_passes)),
         ("speculative tokens/s", f"{spec.tokens_per_s:.1f}"),
     ]
-    copied = sum(e.drafted_by == "lookup" for e in spec.events)
-    if copied:
-        rows.append(("rounds drafted by prompt lookup", f"{copied} of {len(spec.events)}"))
+    if spec.copied_rounds:
+        rows.append(("rounds drafted by prompt lookup", f"{spec.copied_rounds} of {len(spec.events)}"))
     if spec.meta.cache:
         rows.append(("KV cache", spec.meta.cache + (", compiled" if spec.meta.compiled else "")))
     c = cost_ratio(spec, baseline)
