@@ -45,18 +45,22 @@ def _figure(traces: list[dict[str, Any]], title: str, x: str, y: str, key: str, 
 
 def tokens_per_round(run: Run | None) -> PlotlySpec:
     """Stacked bars per round: accepted, rejected, and the +1 the target adds; and γ, the tokens
-    drafted that round (it moves when a policy adapts it, or when prompt lookup finds less)."""
+    drafted that round (it moves when a policy adapts it, or when prompt lookup finds less). Where
+    a combined drafter copied a round by prompt lookup, that round's drafts are hatched."""
     events = run.events if run else []
     x = [e.index + 1 for e in events]
+    copied = {"shape": ["/" if e.drafted_by == "lookup" else "" for e in events]} if run and run.copied_rounds else {}
 
-    def bar(name: str, y: list[int], colour: str) -> dict[str, Any]:
-        return {"type": "bar", "name": name, "x": x, "y": y, "marker": {"color": colour}}
+    def bar(name: str, y: list[int], colour: str, pattern: dict | None = None) -> dict[str, Any]:
+        return {"type": "bar", "name": name, "x": x, "y": y,
+                "marker": {"color": colour, **({"pattern": pattern} if pattern else {})}}
 
     gamma = {"type": "scatter", "mode": "lines+markers", "name": "γ drafted", "x": x, "y": [e.gamma for e in events],
              "line": {"color": COLOURS["theory"], "shape": "hvh", "width": 1.5}, "marker": {"size": 4}}
+    drafts = " (hatched: copied by prompt lookup)" if copied else ""
     return _figure([
-        bar("accepted", [e.n_accepted for e in events], COLOURS["accepted"]),
-        bar("rejected", [e.n_rejected for e in events], COLOURS["rejected"]),
+        bar("accepted" + drafts, [e.n_accepted for e in events], COLOURS["accepted"], copied),
+        bar("rejected", [e.n_rejected for e in events], COLOURS["rejected"], copied),
         bar("+1 (correction or bonus)", [1 if e.extra else 0 for e in events], COLOURS["correction"]),
         gamma,
     ], "Tokens per round, and γ", "round", "tokens", "rounds", barmode="stack")

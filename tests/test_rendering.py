@@ -40,6 +40,10 @@ def test_rounds_prompt_lookup_drafted_are_named_in_hover_and_stats():
     assert "<td>rounds drafted by prompt lookup</td><td><b>1 of 2</b>" in stats_html(run)
     assert "over 2 rounds (γ = 2), 1 of them drafted by prompt lookup" in summary(run)
     assert "prompt lookup" not in stats_html(make_run()) + summary(make_run())
+    accepted, rejected = charts.tokens_per_round(run)["data"][:2]
+    assert accepted["marker"]["pattern"]["shape"] == rejected["marker"]["pattern"]["shape"] == ["", "/"]
+    assert "copied by prompt lookup" in accepted["name"]
+    assert "pattern" not in charts.tokens_per_round(make_run())["data"][0]["marker"]
 
 
 def test_summaries():
