@@ -299,7 +299,7 @@ class LookupFirstDrafter:
     def __init__(self, fallback: Drafter, vocab_size: int, min_ngram: int = 3, max_ngram: int = 4):
         self.fallback, self.requires_hidden = fallback, fallback.requires_hidden
         self.lookup = PromptLookupDrafter(vocab_size, max_ngram, min_ngram)
-        self.name = f"{PromptLookupDrafter.name} where the text repeats, else the {fallback.name}"
+        self.name = lookup_first_name(fallback.name)
 
     def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
         self.fallback.start(prompts, hidden)
@@ -319,6 +319,11 @@ class LookupFirstDrafter:
 
     def cache_lens(self) -> list[int]:
         return self.fallback.cache_lens()
+
+
+def lookup_first_name(fallback: str) -> str:
+    """What LookupFirstDrafter over a drafter named `fallback` is called in stats and traces."""
+    return f"{PromptLookupDrafter.name} where the text repeats, else the {fallback}"
 
 
 def lookup_continuation(seq: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int = 1) -> torch.Tensor:

@@ -28,6 +28,7 @@ from .drafters import (
     LookupFirstDrafter,
     NoDrafter,
     PromptLookupDrafter,
+    lookup_first_name,
 )
 from .events import (
     ACCEPTED,
@@ -190,7 +191,7 @@ def drafter_name(pair: ModelPair, drafter: str) -> str:
         origin = pair.head.config.origin if pair.head is not None else ""
         return f"EAGLE head {pair.head_name}" + (f" ({origin})" if origin else "")
     if drafter == "lookup+eagle":
-        return f"{PromptLookupDrafter.name} where the text repeats, else the {drafter_name(pair, 'eagle')}"
+        return lookup_first_name(drafter_name(pair, "eagle"))
     return {"model": pair.draft_name, "lookup": PromptLookupDrafter.name}[drafter]
 
 

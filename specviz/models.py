@@ -65,8 +65,8 @@ PRESETS: dict[str, Preset] = {
             "(both in assets/)",
             offline=True,
             head=OFFLINE_HEAD,
-            # the fastest measured greedy in bf16 and float32, and the only one with no category below 1.2x
-            # (BENCHMARKS.md, "Prompt lookup first, the EAGLE head elsewhere")
+            # the fastest measured greedy in bf16 and float32, with no category below 1.2x (BENCHMARKS.md,
+            # "Prompt lookup first, the EAGLE head elsewhere")
             drafter="lookup+eagle",
             gamma=2,
         ),
