@@ -262,7 +262,9 @@ def batch_html(runs: list[Run]) -> str:
         state = f", {run.finish_reason}" if run.finish_reason else ""
         head = (f"<b>[{i + 1}]</b> {html.escape(run.meta.prompt[:80])}{'…' if len(run.meta.prompt) > 80 else ''}"
                 f" · α̂ {'–' if alpha is None else f'{alpha:.0%}'} · {run.tokens_per_round:.2f} tokens/round · "
-                f"{run.n_tokens} tokens{state} · {html.escape(gamma_label(run))}")
+                f"{run.n_tokens} tokens{state} · {html.escape(gamma_label(run))}"
+                + (f" · {run.copied_rounds} of {len(run.events)} rounds copied by prompt lookup" if run.copied_rounds
+                   else ""))
         blocks.append(f'<div class="sv-batch-row"><div class="sv-batch-head">{head}</div>{stream_html(run)}</div>')
     return "".join(blocks)
 

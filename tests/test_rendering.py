@@ -6,7 +6,7 @@ import pytest
 
 from specviz import charts
 from specviz.events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, TopToken
-from specviz.rendering import diff_html, first_difference, run_text, stats_html, stream_html, summary
+from specviz.rendering import batch_html, diff_html, first_difference, run_text, stats_html, stream_html, summary
 from specviz.theory import cost_ratio, expected_tokens_per_round, speedup_bound
 
 
@@ -39,6 +39,7 @@ def test_rounds_prompt_lookup_drafted_are_named_in_hover_and_stats():
     assert html.count("(copied by prompt lookup)") == 2  # round 2's two drafts, not round 1's
     assert "<td>rounds drafted by prompt lookup</td><td><b>1 of 2</b>" in stats_html(run)
     assert "over 2 rounds (γ = 2), 1 of them drafted by prompt lookup" in summary(run)
+    assert "γ = 2 · 1 of 2 rounds copied by prompt lookup</div>" in batch_html([run])
     assert "prompt lookup" not in stats_html(make_run()) + summary(make_run())
     accepted, rejected = charts.tokens_per_round(run)["data"][:2]
     assert accepted["marker"]["pattern"]["shape"] == rejected["marker"]["pattern"]["shape"] == ["", "/"]
