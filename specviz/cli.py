@@ -259,7 +259,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
               f"{data['train_tokens']} training tokens from {data['prompts']} prompts ({data['generation_s']:.0f} s "
               f"to generate), {report['training']['train_s'] / 60:.1f} min training on {report['device']}; "
               "held-out greedy agreement by draft position: "
-              + ", ".join(f"{s['greedy_agreement']:.1%}" for s in held))
+              + ", ".join(f"{s['greedy_agreement']:.1%}" for s in held)
+              + f"; {report['total_s'] / 60:.1f} min end to end")
         return 0
     report = distill(DistillConfig(**fields), progress=progress)
     held = report["held_out"]

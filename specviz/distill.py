@@ -444,6 +444,7 @@ def _target_and_prompts(cfg: DistillConfig, progress: Progress):
 def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
     """An EAGLE head for cfg.target (eagle.py): data from the target itself, training with the
     training-time test, held-out scores by draft position; saved with its report in cfg.out."""
+    t0 = time.perf_counter()
     device, target, tokenizer, vocab_size, prompts = _target_and_prompts(cfg, progress)
     samples, data_s = _load_or_generate(cfg, target, tokenizer, prompts, vocab_size, progress)
     per_prompt = len(cfg.temperatures)  # held out by prompt: no answer to a held-out prompt is trained on
@@ -481,6 +482,7 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
                  "held_out_tokens": scores[0]["tokens"], "generation_s": data_s,
                  "draft_vocab": len(draft_vocab), "held_out_vocab_coverage": round(coverage, 4)},
         "training": fit, "held_out_by_position": scores,
+        "total_s": round(time.perf_counter() - t0, 1),  # end to end: loading, data, training, scoring
     }
     (out / "distill_report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     progress(f"saved {out}")

@@ -23,10 +23,13 @@ Supported: model_type llama and qwen3 (with its q/k norms), SiLU MLP.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +41,7 @@ from .kvcache import slot_mask
 
 SUPPORTED = ("llama", "qwen3")
 MKL_ROWS = 5  # float32: weights also packed for MKL at this many rows (a verify pass of γ = 4; γ = 3 pads to it)
-WIDTHS = (1, 2, 4, 8, 16, 33)  # compiled forwards: tokens per forward, padded up to one of these
+WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to one of these (longer: eager)
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
 log = logging.getLogger("specviz")
 
@@ -131,9 +134,35 @@ def _use_our_inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
 
 
+def _vector_isa_known_good() -> bool:
+    """Whether this CPU's vector instructions are known to build and load with this compiler and
+    torch. inductor finds out in every process (it compiles a probe per instruction set and loads
+    each in a child Python: about a second of every compiled start); the verdict is kept in the
+    inductor cache folder, so only the first start pays. A graph's disk-cache key includes the
+    setting, so the first start asks here too, before compiling anything."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if config.cpp.vec_isa_ok is not None:  # chosen by the user (TORCHINDUCTOR_VEC_ISA_OK)
+        return bool(config.cpp.vec_isa_ok)
+    compiler = next((shutil.which(cc) for cc in ("c++", "g++", "clang++") if shutil.which(cc)), "")
+    facts = (torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(), compiler,
+             os.path.getmtime(compiler) if compiler else 0)
+    marker = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "specviz-vec-isa-ok" / hashlib.sha256(
+        repr(facts).encode()).hexdigest()[:16]
+    if marker.is_file():
+        return True
+    if not pick_vec_isa():
+        return False
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(repr(facts), encoding="utf-8")
+    return True
+
+
 class LeanLayer(nn.Module):
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -141,6 +170,29 @@ class LeanLayer(nn.Module):
         self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
         self.gate_up = _fused(mlp.gate_proj, mlp.up_proj)
         self.down = Linear(mlp.down_proj.weight, None)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int, packed: bool) -> torch.Tensor:
+        """x: [B, t, C]; cos, sin: [B, 1, t, D]. Writes this layer's keys and values at `slots` and
+        returns its output [B, t, C]."""
+        batch, t = x.shape[:2]
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        h = _rms(x, self.norm1.weight, self.eps)
+        q, k, v = self.qkv(h, packed).split([H * D, KV * D, KV * D], -1)
+        q, k, v = q.view(batch, t, H, D), k.view(batch, t, KV, D), v.view(batch, t, KV, D)
+        if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, t, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache.index_copy_(2, slots, k)
+        v_cache.index_copy_(2, slots, v)
+        o = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
+                                           enable_gqa=H != KV)  # [B, H, t, D]
+        x = x + self.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
+        h = _rms(x, self.norm2.weight, self.eps)
+        gate, up = self.gate_up(h, packed).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up, packed)
 
 
 class LeanLlama(nn.Module):
@@ -173,7 +225,8 @@ class LeanLlama(nn.Module):
         self.rotary = model.model.rotary_emb
         self.norm = model.model.norm
         self.head = Linear(model.get_output_embeddings().weight, None)
-        self.layers = nn.ModuleList(LeanLayer(layer) for layer in model.model.layers)
+        self.layers = nn.ModuleList(LeanLayer(layer, self.heads, self.kv_heads, self.head_dim, self.eps)
+                                    for layer in model.model.layers)
         self.eval()
         self.compiled = None  # the compiled forward, once asked for
         self.compile_note = ""  # why compiling was given up, if it was
@@ -188,28 +241,11 @@ class LeanLlama(nn.Module):
         """ids, positions: [B, t] at cache slots `slots` [t]; mask: [B, 1, t, kv_len]. Attention
         spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only)
         and, if asked, the last hidden state [B, t, C]."""
-        batch, t = ids.shape
-        H, KV, D = self.heads, self.kv_heads, self.head_dim
         x = self.embed(ids)  # [B, t, C]
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, t, D], broadcast over heads
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
-            h = _rms(x, layer.norm1.weight, self.eps)
-            q, k, v = layer.qkv(h, packed).split([H * D, KV * D, KV * D], -1)
-            q, k, v = q.view(batch, t, H, D), k.view(batch, t, KV, D), v.view(batch, t, KV, D)
-            if layer.q_norm is not None:  # Qwen3 normalises each head before RoPE
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, t, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache.index_copy_(2, slots, k)
-            v_cache.index_copy_(2, slots, v)
-            o = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
-                                               enable_gqa=H != KV)  # [B, H, t, D]
-            x = x + layer.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
-            h = _rms(x, layer.norm2.weight, self.eps)
-            gate, up = layer.gate_up(h, packed).chunk(2, -1)
-            x = x + layer.down(F.silu(gate) * up, packed)
+            x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)
         x = _rms(x, self.norm.weight, self.eps)
         return self.head(x[:, -1:] if last_only else x, packed), x if hidden else None
 
@@ -223,6 +259,8 @@ class LeanLlama(nn.Module):
                 _use_our_inductor_cache()
                 # kept out of the module tree, since it wraps this module
                 options = {"triton.cudagraphs": device.type == "cuda"}
+                if device.type == "cpu" and _vector_isa_known_good():
+                    options["cpp.vec_isa_ok"] = True
                 # dynamo keeps at most recompile_limit graphs per function, and the target and the
                 # draft share this forward: each needs one graph per width, so make room
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(WIDTHS))

@@ -92,3 +92,29 @@ def test_a_second_start_loads_the_compiled_graphs_from_disk(pattern_dirs, tmp_pa
     assert "(compiled)" in first and "loaded from the disk cache" not in first, first[-2000:]
     assert "(loaded from the disk cache)" in second and "(compiled)" not in second, second[-2000:]
     assert (tmp_path / "inductor").is_dir()
+
+
+def test_the_vector_instruction_verdict_is_probed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """inductor's per-process probe of the CPU's vector instructions runs once per machine: the
+    verdict is kept in the cache folder, and a different compiler asks again."""
+    import os
+
+    from torch._inductor import config, cpu_vec_isa
+
+    from specviz import leanllama
+
+    probes = []
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probes.append(1) or "avx512")
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert leanllama._vector_isa_known_good() and leanllama._vector_isa_known_good()
+    assert len(probes) == 1 and len(list((tmp_path / "specviz-vec-isa-ok").iterdir())) == 1
+    compiler = tmp_path / "c++"
+    compiler.write_text("")
+    monkeypatch.setattr(leanllama.shutil, "which", lambda name: str(compiler))
+    assert leanllama._vector_isa_known_good() and len(probes) == 2
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa)
+    os.utime(compiler, (1, 1))  # the compiler changed
+    assert not leanllama._vector_isa_known_good()  # a probe that fails is not remembered
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)
+    assert not leanllama._vector_isa_known_good()  # the user's choice wins
