@@ -140,12 +140,15 @@ def _vector_isa_known_good() -> bool:
     each in a child Python: about a second of every compiled start); the verdict is kept in the
     inductor cache folder, so only the first start pays. A graph's disk-cache key includes the
     setting, so the first start asks here too, before compiling anything."""
-    from torch._inductor import config
+    from torch._inductor import config, cpp_builder
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     if config.cpp.vec_isa_ok is not None:  # chosen by the user (TORCHINDUCTOR_VEC_ISA_OK)
         return bool(config.cpp.vec_isa_ok)
-    compiler = next((shutil.which(cc) for cc in ("c++", "g++", "clang++") if shutil.which(cc)), "")
+    try:  # the compiler inductor will use ($CXX or its search list)
+        compiler = shutil.which(cpp_builder.get_cpp_compiler()) or ""
+    except Exception:  # none found: inductor will say so when it compiles
+        return False
     facts = (torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(), compiler,
              os.path.getmtime(compiler) if compiler else 0)
     marker = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "specviz-vec-isa-ok" / hashlib.sha256(

@@ -99,7 +99,7 @@ def test_the_vector_instruction_verdict_is_probed_once_then_read_from_the_cache(
     verdict is kept in the cache folder, and a different compiler asks again."""
     import os
 
-    from torch._inductor import config, cpu_vec_isa
+    from torch._inductor import config, cpp_builder, cpu_vec_isa
 
     from specviz import leanllama
 
@@ -111,7 +111,8 @@ def test_the_vector_instruction_verdict_is_probed_once_then_read_from_the_cache(
     assert len(probes) == 1 and len(list((tmp_path / "specviz-vec-isa-ok").iterdir())) == 1
     compiler = tmp_path / "c++"
     compiler.write_text("")
-    monkeypatch.setattr(leanllama.shutil, "which", lambda name: str(compiler))
+    compiler.chmod(0o755)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(compiler))
     assert leanllama._vector_isa_known_good() and len(probes) == 2
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa)
     os.utime(compiler, (1, 1))  # the compiler changed
