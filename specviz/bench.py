@@ -250,8 +250,8 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
         row.mean_gamma = spec.mean_gamma
     if settings.sampling.greedy:
         row.identical_to_baseline = spec.token_ids == base.token_ids
-        if hf:
-            row.identical_to_hf = hf[0][1] == spec.token_ids
+        if hf or hf_plain:  # HF's counterpart at the same γ, else HF plain `generate`
+            row.identical_to_hf = (hf or hf_plain)[0][1] == spec.token_ids
     return row
 
 
@@ -495,9 +495,15 @@ def environment(pair: ModelPair) -> dict:
     import torch
     import transformers
 
-    return {"device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu": platform.processor() or platform.machine(), "target": pair.target_name, "draft": pair.draft_name}
+    from . import kernels
+
+    env = {"device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "cpu": platform.processor() or platform.machine(), "target": pair.target_name, "draft": pair.draft_name}
+    if pair.device.type == "cpu":
+        env["cpu"] = kernels.describe_machine()
+        env["kernels"] = kernels.summary(pair.dtype)["choice"]
+    return env
 
 
 def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
@@ -514,7 +520,7 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
                                          "batch": [asdict(b) for b in batch_rows],
                                          "steps": [asdict(r) for r in steps]},
                                         indent=2), encoding="utf-8")
-    env_line = ", ".join(f"{k} {v}" for k, v in env.items())
+    env_line = ", ".join(f"{k} {v}" for k, v in env.items() if k != "kernels")  # the choices are in results.json
     paths["md"].write_text(
         f"`{command}`\n\n{env_line}\n\n"
         + (f"### Forward passes\n\n{step_table(steps)}\n" if steps else "")

@@ -1,4 +1,4 @@
-"""Command line: `python -m specviz generate | bench | distill | bench-render`."""
+"""Command line: `python -m specviz generate | bench | kernels | distill | bench-render`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .generator import (
 )
 from .kvcache import CACHE_KINDS
 from .models import PRESETS, Preset, encode_prompt, load_pair
-from .rendering import batch_summary, first_difference, legend, round_text, run_text, summary
+from .rendering import batch_summary, first_difference, legend, round_text, run_text, slower_note, summary
 from .schedules import POLICIES
 from .stream import Finished, RoundDone, stream
 
@@ -74,7 +74,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "the first start compiles for a minute or two, later starts load them). Default: on if "
                         "SPECVIZ_COMPILE=1")
     g.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (on a CPU: bfloat16 or float32, whichever measures faster here), float32, bfloat16, "
+                        "float16")
+    g.add_argument("--retune", action="store_true", help="measure this CPU's kernels again (kept in the cache)")
     g.add_argument("--color", choices=["auto", "always", "never"], default="auto")
 
 
@@ -97,7 +100,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress, head=args.head)
+    pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress, head=args.head,
+                     retune=args.retune)
     check_drafter(pair, settings)
     prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
     for ids in prompts_ids:
@@ -130,6 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(summary(base), file=out)
         speedup = spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s else float("nan")
         print(f"speedup: {speedup:.2f}x (speculative over baseline tokens/s, same prompt and seed)", file=out)
+        if note := slower_note(spec, base):
+            print(f"on this machine: {note}", file=out)
         if settings.sampling.greedy:
             diff = first_difference(spec.token_ids, base.token_ids)
             if diff is None:
@@ -147,7 +153,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _pair_line(pair, settings: Settings) -> str:
-    return f"target {pair.target_name} <- draft {drafter_name(pair, settings.drafter)} ({pair.dtype}, {pair.device})"
+    from .generator import machine_name
+
+    return (f"target {pair.target_name} <- draft {drafter_name(pair, settings.drafter)} ({pair.dtype}, {pair.device})"
+            f"\nmachine: {machine_name(pair.device)}; dtype {str(pair.dtype).removeprefix('torch.')}: "
+            f"{pair.dtype_reason}")
 
 
 def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings, colour: bool, out) -> int:
@@ -218,6 +228,47 @@ def cmd_bench_render(args: argparse.Namespace) -> int:
     print(f"{r['tokens']} tokens in {r['rounds']} rounds ({pair.target_name}, {pair.dtype}, {pair.device}, "
           f"median of {args.repeats}): bare generator {r['bare_s']:.2f} s, with per-round page rendering "
           f"{r['rendered_s']:.2f} s; ratio {r['ratio']:.3f}")
+    return 0
+
+
+def _add_kernels(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("kernels", help="this machine: its CPU, the kernel chosen per matrix shape, and what a "
+                                       "verify pass of k tokens costs in one-token steps")
+    k.add_argument("--preset", choices=list(PRESETS), default="offline")
+    k.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
+    k.add_argument("--retune", action="store_true", help="measure the kernels again, ignoring the stored table")
+    k.add_argument("--repeats", type=int, default=10, help="timed forwards per width for c(k)")
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import kernels
+    from .bench import step_table, step_times
+
+    started = time.perf_counter()
+    stored = kernels.table(torch.float32).file
+    pair = load_pair(preset=args.preset, device="cpu", dtype=args.dtype, retune=args.retune,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    loaded = time.perf_counter() - started
+    kernels._TABLES.clear()  # what a later start pays to read the stored table
+    started = time.perf_counter()
+    table = kernels.table(pair.dtype)
+    read_ms = 1000 * (time.perf_counter() - started)
+    print(f"machine: {kernels.describe_machine(table.machine)}")
+    print(f"dtype: {str(pair.dtype).removeprefix('torch.')} ({pair.dtype_reason})")
+    weights = [p for p in pair.target.parameters()]
+    print(f"bandwidth: {kernels.bandwidth_gbs(weights):.1f} GB/s (one read of the target's "
+          f"{sum(p.numel() * p.element_size() for p in weights) / 1e6:.0f} MB of weights)")
+    for name, why in table.skipped.items():
+        print(f"skipped path {name}: {why}")
+    print(f"table: {table.file} (read in {read_ms:.1f} ms; this start took {loaded:.1f} s, loading and "
+          f"{'measuring' if args.retune or not stored else 'reading'} included)\n")
+    print(kernels.table_text(pair.dtype))
+    first = encode_prompt(pair.tokenizer, "The future of AI")
+    steps = step_times(pair, first, ["static"], widths=(1, 2, 3, 4, 5, 8, 16), repeats=args.repeats)
+    print("c(k): a forward of k tokens in one-token forwards (a verify of k - 1 drafts), static cache\n")
+    print(step_table(steps))
     return 0
 
 
@@ -303,6 +354,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", default="bench-results")
     b.add_argument("--device", default="auto")
     b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    b.add_argument("--retune", action="store_true", help="measure this CPU's kernels again (kept in the cache)")
 
 
 def _csv(text: str, kind=str) -> list:
@@ -348,7 +400,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--step-caches: {c!r} is not one of {', '.join(CACHE_KINDS)}")
     for g in gammas + lookup_gammas + eagle_gammas:
         Settings(gamma=g, max_new_tokens=max_new, cache=args.cache).validate()
-    pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype,
+    pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype, retune=args.retune,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     if pair.head is None and set(drafters) & set(HEAD_DRAFTERS):
         print("no EAGLE head for this pair: the drafters that need one are skipped", file=sys.stderr)
@@ -357,7 +409,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     steps = []
     if step_caches:
         first = encode_prompt(pair.tokenizer, next(iter(prompts.values()))[0])
-        steps = step_times(pair, first, step_caches, repeats=5 if args.quick else 30, compile=args.compile)
+        steps = step_times(pair, first, step_caches, widths=(1, 3, 5), repeats=5 if args.quick else 30,
+                           compile=args.compile)
         print(step_table(steps), file=sys.stderr)
     rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
                       progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
@@ -387,12 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench_render(sub)
     _add_distill(sub)
     _add_bench(sub)
+    _add_kernels(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on stderr
     args.argv = argv
     commands = {"generate": cmd_generate, "bench-render": cmd_bench_render, "distill": cmd_distill,
-                "bench": cmd_bench}
+                "bench": cmd_bench, "kernels": cmd_kernels}
     try:
         return commands[args.command](args)
     except ValueError as err:

@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from .eagle import EagleHead, HeadConfig
 from .kvcache import KVState
-from .models import encode_prompt, eos_ids_of, load_model, resolve_device, resolve_dtype
+from .models import encode_prompt, eos_ids_of, head_shape, load_model, resolve_device, resolve_dtype
 from .prompts import training_prompts
 
 Progress = Callable[[str], None]
@@ -282,8 +282,8 @@ def train_eagle(head, train_set: list[FeatureSample], cfg: DistillConfig, to_dra
                 progress: Progress) -> dict:
     """Every sample once per epoch, in bf16 autocast where the hardware has it."""
     rng = random.Random(cfg.seed)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                              enabled=resolve_dtype("auto", device) == torch.bfloat16)
+    fast = resolve_dtype("auto", device, (len(head.config.draft_vocab), head.config.width))[0]  # measured here
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast == torch.bfloat16)
     order: list[int] = []
 
     def batch_loss():
@@ -433,7 +433,8 @@ def _target_and_prompts(cfg: DistillConfig, progress: Progress):
     has it (generation; training is float32 or autocast)."""
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    target, tokenizer = load_model(cfg.target, device, resolve_dtype("auto", device), progress)
+    dtype = resolve_dtype("auto", device, head_shape(cfg.target, progress), progress)[0]
+    target, tokenizer = load_model(cfg.target, device, dtype, progress)
     vocab_size = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
     prompts = load_prompts(cfg)
     if len(prompts) < 2:

@@ -117,6 +117,7 @@ class EagleHead(nn.Module):
         self.embed_weight: torch.Tensor | None = None  # [V, E] the target's, frozen
         self.out_weight: torch.Tensor | None = None  # [N, D] the target's output rows of draft_ids
         self._lean: dict | None = None  # name -> packed linear, built on first drafting step
+        self._lean_linears: dict[str, Linear] | None = None
 
     # -- binding and files ---------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class EagleHead(nn.Module):
                 f"embedding {shapes[1]}, output {shapes[2]}, vocabulary {vocab_size}")
         self.embed_weight = emb.detach()
         self.out_weight = out.detach()[self.draft_ids.to(out.device)]
-        self._lean = None
+        self._lean = self._lean_linears = None
         return self
 
     def save(self, folder: str | Path) -> None:
@@ -186,12 +187,17 @@ class EagleHead(nn.Module):
             out = self.out_weight
             return {"in_proj": self.in_proj, "qkv": self.qkv, "o": self.o, "gate_up": self.gate_up,
                     "down": self.down, "out": lambda h: h @ out.T}
-        if self._lean is None:  # weights pre-packed for the CPU's matmul library, as leanllama does
-            packed = {name: Linear(getattr(self, name).weight, None)
-                      for name in ("in_proj", "qkv", "o", "gate_up", "down")}
-            packed["out"] = Linear(self.out_weight, None)
-            self._lean = {name: functools.partial(lin, packed=True) for name, lin in packed.items()}
+        if self._lean is None:  # through the kernels this machine measured fastest, as leanllama does
+            self._lean = {name: functools.partial(lin, packed=True) for name, lin in self.lean_linears().items()}
         return self._lean
+
+    def lean_linears(self) -> dict[str, Linear]:
+        """The drafting step's matrix products (built once per binding)."""
+        if self._lean_linears is None:
+            self._lean_linears = {name: Linear(getattr(self, name).weight, None)
+                                  for name in ("in_proj", "qkv", "o", "gate_up", "down")}
+            self._lean_linears["out"] = Linear(self.out_weight, None)
+        return self._lean_linears
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Teacher-forced, unrolled `steps` times over the head's own outputs (training-time test).

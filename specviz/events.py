@@ -127,6 +127,8 @@ class RunMeta:
     draft_greedy: bool = False  # a sampled run whose drafter proposed its argmax (q one-hot)
     drafter: str = ""  # one of DRAFTERS for a speculative run ("" for the baseline and old traces)
     versions: dict[str, str] = field(default_factory=dict)
+    machine: str = ""  # where it ran: CPU model and instruction-set class, threads (or the GPU)
+    dtype_reason: str = ""  # why this dtype: asked for, or what `auto` measured on that machine
 
 
     @property

@@ -181,6 +181,17 @@ def _top_tokens(p_row, q_row, residual_row, chosen_id, k, text) -> list[TopToken
     return [TopToken(i, text(i), pi, qi, ri) for i, pi, qi, ri in rows]
 
 
+def machine_name(device: torch.device) -> str:
+    """The machine a run's timings belong to."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        from .kernels import describe_machine
+
+        return describe_machine()
+    return str(device)
+
+
 def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -231,6 +242,8 @@ def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], se
         draft_greedy=settings.draft_greedy and speculative and not settings.sampling.greedy,
         drafter=settings.drafter if speculative else "",
         versions=_versions(),
+        machine=machine_name(pair.device),
+        dtype_reason=pair.dtype_reason,
     )
 
 

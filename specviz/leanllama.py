@@ -4,13 +4,13 @@ On a CPU a small model's step costs mostly overhead, not arithmetic: SmolLM2-135
 of bf16 weights per step (8.4 ms at this machine's bandwidth), yet transformers' eager forward
 takes ~30 ms. This forward is the same maths in fewer, larger operations: q, k, v in one matmul,
 gate and up in one, keys and values written into a static cache at slot indices (rolling back is
-moving a length), and on a CPU weights pre-packed once for its matmul library: in bf16 for
-oneDNN, about twice as fast as a plain `F.linear` at batch 1.
+moving a length), and on a CPU each matrix product through the kernel this machine measured
+fastest for its shape and row count (kernels.py), weights packed for it once.
 
 Compiled (`compile=True`): torch.compile (inductor) of the same module at fixed shapes, so that a
 handful of graphs serve every γ: a forward of t tokens is padded with holes to the next width in
 WIDTHS, attention always spans the whole cache (its capacity rounded up to CAPACITY_STEP), and
-the slots to write are a tensor. On a CPU the graph calls the same pre-packed matmuls as one
+the slots to write are a tensor. On a CPU the graph calls the same chosen, pre-packed matmuls as one
 opaque operator each (`packed_linear`), so its weights stay inputs and the graph can be cached on
 disk under the specviz cache folder (TORCHINDUCTOR_CACHE_DIR): a second start loads it instead of
 compiling again. On CUDA the graphs are replayed as CUDA graphs. If compiling fails (no C++
@@ -37,72 +37,75 @@ from torch import nn
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
+from . import kernels
+from .cachedir import cache_root
 from .kvcache import slot_mask
 
 SUPPORTED = ("llama", "qwen3")
-MKL_ROWS = 5  # float32: weights also packed for MKL at this many rows (a verify pass of γ = 4; γ = 3 pads to it)
 WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to one of these (longer: eager)
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
 log = logging.getLogger("specviz")
 
 
-def _packing(weight: torch.Tensor) -> str:
-    """How to pre-pack a CPU weight: for oneDNN in bf16 (about twice as fast as F.linear at 1 to 9
-    rows); in float32 F.linear is fastest at 1 to 3 rows, but at 4 to 9 costs nearly twice as much,
-    so a second copy packed for MKL serves MKL_ROWS rows (1.3 one-row steps instead of 1.8)."""
-    if weight.device.type != "cpu":
-        return ""
-    if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        return "mkldnn"
-    if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
-        return "mkl"
-    return ""
-
-
 class Linear(nn.Module):
-    """y = x W^T + b, through W pre-packed for the CPU's matmul library where that is faster."""
+    """y = x W^T + b, on CPU through the path this machine measured fastest for the shape and the
+    row count (kernels.py), weights packed for it on first use; elsewhere F.linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.packing = _packing(self.weight)
-        if self.packing == "mkldnn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
-        elif self.packing == "mkl":
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, MKL_ROWS)
+        self.paths: dict[int, str] = {}  # rows -> path name, filled on first use of a row count
+        self.packs: dict[tuple[str, int], torch.Tensor] = {}  # (path, rows or 0) -> packed weight
 
-    def forward(self, x: torch.Tensor, packed: bool) -> torch.Tensor:
-        if not packed or not self.packing:
+    def path(self, rows: int) -> tuple[str, torch.Tensor | None]:
+        """(path, packed weight) for a product of `rows` rows; packs on first use (not while compiling:
+        LeanLlama.compiler packs the compiled widths beforehand)."""
+        name = self.paths.get(rows)
+        if name is None:
+            name = self.paths[rows] = kernels.choose(self.weight, rows) if self.weight.device.type == "cpu" \
+                else "linear"
+        kind = kernels.PATHS[name]
+        key = (name, rows if kind.per_rows else 0)
+        packed = self.packs.get(key)
+        if packed is None and name != "linear":
+            if torch.compiler.is_compiling():
+                return "linear", None
+            with torch.inference_mode():
+                packed = self.packs[key] = kind.pack(self.weight, rows)
+        return name, packed
+
+    def forward(self, x: torch.Tensor, packed: bool = True) -> torch.Tensor:
+        if not packed:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.shape[:-1].numel()
+        name, weight_packed = self.path(rows)
+        if name == "linear":
             return F.linear(x, self.weight, self.bias)
         linear = packed_linear if torch.compiler.is_compiling() else _packed_linear  # see packed_linear
-        return linear(x, self.packed, self.weight, self.bias, self.packing)
+        return linear(x, weight_packed, self.weight, self.bias, name, rows)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   packing: str) -> torch.Tensor:
-    """x W^T + b through W pre-packed for oneDNN or MKL."""
-    if packing == "mkldnn":
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if x.shape[:-1].numel() == MKL_ROWS:
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, MKL_ROWS)
-    return F.linear(x, weight, bias)
+                   path: str, rows: int) -> torch.Tensor:
+    """x W^T + b through the weight packed for `path`."""
+    return kernels.PATHS[path].run(x, packed, weight, bias, rows)
 
 
 @torch.library.custom_op("specviz::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  packing: str) -> torch.Tensor:
+                  path: str, rows: int) -> torch.Tensor:
     """The same, as one opaque operator for compiled graphs: inductor can only lower oneDNN's
     packed linear with its own packing, which needs frozen weights, and graphs with frozen
     weights are never cached on disk (they hold oneDNN tensors, which do not pickle), so every
     start would compile again. With our packing as an opaque call the graph takes the weights
     as inputs and is cached; in bf16 it still beats the eager step (BENCHMARKS.md, "Compiled
     forwards")."""
-    return _packed_linear(x, packed, weight, bias, packing)
+    return _packed_linear(x, packed, weight, bias, path, rows)
 
 
 @packed_linear.register_fake
-def _(x, packed, weight, bias, packing):
+def _(x, packed, weight, bias, path, rows):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -126,8 +129,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _use_our_inductor_cache() -> None:
     """Compiled graphs go under the specviz cache folder, unless the user chose a folder."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from .models import cache_root
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):  # torch's own default
@@ -235,6 +236,9 @@ class LeanLlama(nn.Module):
         self.compile_note = ""  # why compiling was given up, if it was
         self.compiled_shapes: set[tuple] = set()
 
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
     def backend(self, capacity: int, compile: bool = False) -> LeanCache:
         return LeanCache(self, capacity, compile and self.compiler() is not None)
 
@@ -268,6 +272,9 @@ class LeanLlama(nn.Module):
                 # draft share this forward: each needs one graph per width, so make room
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(WIDTHS))
                 self.__dict__["compiled"] = torch.compile(self, dynamic=False, options=options)
+                for lin in self.linears():  # packed before tracing: graphs take the packed weights as inputs
+                    for width in WIDTHS:
+                        lin.path(width)
             if self.compile_note:
                 log.warning("specviz: not compiling %s: %s; running eager", self.name, self.compile_note)
         return self.compiled
@@ -322,18 +329,16 @@ class LeanCache:
             for cache in self.keys + self.values:
                 torch._dynamo.mark_static_address(cache)
 
-    def _width(self, batch: int, t: int) -> int:
-        """Slots a forward of t tokens runs: a compiled forward pads t to the next compiled width; a
-        float32 pass of a single row one token short of MKL_ROWS gets a hole to reach it (the packed
-        weights' fast path: 4 rows through F.linear cost nearly twice as much as 5 packed ones)."""
+    def _width(self, t: int) -> int:
+        """Slots a forward of t tokens runs: a compiled forward pads t to the next compiled width."""
         if self.compile and self.lean.compiled is not None:
             return next((w for w in WIDTHS if w >= t), t)
-        return MKL_ROWS if self.lean.head.packing == "mkl" and batch == 1 and t == MKL_ROWS - 1 else t
+        return t
 
     @torch.inference_mode()
     def forward(self, ids, positions, real, start, hidden, last_only):
         batch, t = ids.shape
-        width = self._width(batch, t)
+        width = self._width(t)
         if width > t:  # pad with holes: their slots are written, attended by nothing, and overwritten later
             pad = width - t
             # fresh, standard strides: a guard on strides would compile a graph again for a view

@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from . import kernels
+from .cachedir import cache_root
 from .eagle import EagleHead
+from .leanllama import LeanLlama
 
 OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
 OFFLINE_DRAFT = "offline:SmolLM2-135M-draft"
@@ -116,41 +119,39 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the hardware computes it natively, else float32 (fp16 on mps).
-
-    On a CPU with AVX512-BF16 a SmolLM2-135M step costs 29 ms in bf16 against 45 ms in fp32
-    (BRIEF.md); without those instructions bf16 is emulated and slower than fp32.
-    """
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tuple[int, int] | None = None,
+                  progress: Progress = _quiet) -> tuple[torch.dtype, str]:
+    """(dtype, why). auto: on a CPU, whichever of bfloat16 and float32 runs the model's largest
+    matrix (head_shape, out x in) faster here, measured once (kernels.compare_dtypes); bfloat16 on
+    a GPU that computes it natively, else float16; float16 on mps."""
     if isinstance(dtype, torch.dtype):
-        return dtype
+        return dtype, "as asked"
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}")
-        return DTYPES[dtype]
+        chosen = DTYPES[dtype]
+        why = "as asked"
+        if device.type == "cpu" and chosen == torch.bfloat16:
+            if "onednn" in kernels.unavailable(chosen):
+                why = ("as asked; this CPU has no bf16 matrix instructions, so bfloat16 runs through plain "
+                       "kernels (float32 is usually faster here)")
+        return chosen, why
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return (torch.bfloat16, "auto: the GPU computes bfloat16 natively") if native else (
+            torch.float16, "auto: the GPU has no native bfloat16")
     if device.type == "mps":
-        return torch.float16
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.float16, "auto: float16 on mps"
+    if head_shape is None:
+        return torch.float32, "auto: float32 (no model shape to measure with)"
+    chosen, why = kernels.compare_dtypes(*head_shape, progress=progress)
+    return chosen, "auto: " + why
 
 
 # --- the offline models ----------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECVIZ_CACHE", Path.home() / ".cache" / "specviz"))
 
 
 def _build_once(out: Path, build: Callable[[Path], None], progress: Progress) -> Path:
@@ -297,6 +298,7 @@ class ModelPair:
     eos_token_ids: set[int] = field(default_factory=set)
     head: EagleHead | None = None  # a feature-level draft head bound to the target (drafter "eagle")
     head_name: str = ""
+    dtype_reason: str = ""  # why this dtype: asked for, or what `auto` measured
 
 
 def eos_ids_of(model: PreTrainedModel, tokenizer) -> set[int]:
@@ -317,9 +319,11 @@ def load_pair(
     dtype: str | torch.dtype = "auto",
     progress: Progress = _quiet,
     head: str | None = None,
+    retune: bool = False,
 ) -> ModelPair:
     """Load and check a pair, from a preset name or from two model refs; with the preset's EAGLE
-    head or `head` (a folder) if given."""
+    head or `head` (a folder) if given. On a CPU, this machine's kernel table is measured where it
+    lacks the pair's shapes (or anew, with retune)."""
     note = ""
     if preset is not None:
         if target or draft:
@@ -330,7 +334,8 @@ def load_pair(
     if not target or not draft:
         raise ValueError("a pair needs both a target and a draft model (or a preset)")
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    measure = dtype == "auto" and dev.type == "cpu"
+    dt, dtype_why = resolve_dtype(dtype, dev, head_shape(target, progress) if measure else None, progress)
     target_model, target_tok = load_model(target, dev, dt, progress, spread=True)
     draft_model, draft_tok = load_model(draft, dev, dt, progress)
     check_same_tokenizer(target_tok, draft_tok, target, draft)
@@ -342,7 +347,7 @@ def load_pair(
         else:
             eagle = EagleHead.load(SHIPPED_HEAD if head == OFFLINE_HEAD else head, target_model,
                                    min(_logit_width(target_model), len(target_tok)))
-    return ModelPair(
+    pair = ModelPair(
         target=target_model,
         draft=draft_model,
         tokenizer=target_tok,
@@ -355,7 +360,36 @@ def load_pair(
         eos_token_ids=eos_ids_of(target_model, target_tok),
         head=eagle,
         head_name=(SHIPPED_HEAD.name if head == OFFLINE_HEAD else Path(head).name) if eagle else "",
+        dtype_reason=dtype_why,
     )
+    prepare_kernels(pair, progress, retune)
+    return pair
+
+
+def head_shape(ref: str, progress: Progress) -> tuple[int, int] | None:
+    """(vocabulary, hidden size) of a model's output head from its config, or None if unreadable."""
+    try:
+        cfg = AutoConfig.from_pretrained(resolve_model_path(ref, progress), trust_remote_code=False)
+        return int(cfg.vocab_size), int(cfg.hidden_size)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def lean_linears(pair: ModelPair) -> list:
+    """Every matrix product of the pair's lean forwards (Llama-family models) and its EAGLE head."""
+    found = []
+    for model in (pair.target, pair.draft):
+        if LeanLlama.supports(model):
+            found += LeanLlama.of(model).linears()
+    if pair.head is not None:
+        found += list(pair.head.lean_linears().values())
+    return found
+
+
+def prepare_kernels(pair: ModelPair, progress: Progress = _quiet, retune: bool = False) -> None:
+    """On a CPU: measure the kernels for every shape this machine's table lacks (all, with retune)."""
+    if pair.device.type == "cpu":
+        kernels.tune([lin.weight for lin in lean_linears(pair)], progress, retune)
 
 
 def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+from statistics import median
 
 from .events import BONUS, CORRECTION, REJECTED, RoundEvent, Run
 
@@ -185,6 +186,9 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         rows.append(("rounds drafted by prompt lookup", f"{spec.copied_rounds} of {len(spec.events)}"))
     if spec.meta.cache:
         rows.append(("KV cache", spec.meta.cache + (", compiled" if spec.meta.compiled else "")))
+    if spec.meta.machine:
+        rows.append(("machine", spec.meta.machine))
+    rows.append(("dtype", spec.meta.dtype + (f" ({spec.meta.dtype_reason})" if spec.meta.dtype_reason else "")))
     c = cost_ratio(spec, baseline)
     if c is not None:
         rows.append(("c (draft step / target step)", f"{c:.3f}"))
@@ -194,8 +198,27 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
             ("baseline tokens/s", f"{baseline.tokens_per_s:.1f}"),
             ("speedup", f"{spec.tokens_per_s / baseline.tokens_per_s:.2f}×" if baseline.tokens_per_s else "–"),
         ]
+        note = slower_note(spec, baseline)
+        if note:
+            rows.append(("on this machine", note))
     body = "".join(f"<tr><td>{html.escape(k)}</td><td><b>{html.escape(v)}</b></td></tr>" for k, v in rows)
     return f'<table class="sv-stats">{body}</table>'
+
+
+def slower_note(spec: Run, baseline: Run) -> str:
+    """'' unless speculation ran slower than plain decoding; then why, from the run's own timings:
+    what a verify pass and the drafting cost here in plain target steps, against the tokens a round gave."""
+    from .theory import target_step_ms
+
+    if not baseline.tokens_per_s or spec.tokens_per_s >= baseline.tokens_per_s or not spec.events:
+        return ""
+    step = target_step_ms(spec, baseline)
+    if not step:
+        return ""
+    verify = median(e.verify_ms for e in spec.events) / step
+    draft = median(e.draft_ms for e in spec.events) / step
+    return (f"plain decoding is faster here: a round costs {verify:.2f} steps to verify and {draft:.2f} to draft, "
+            f"and gives {spec.tokens_per_round:.2f} tokens (python -m specviz kernels shows this CPU's costs)")
 
 
 def diff_html(spec: Run, baseline: Run) -> str:

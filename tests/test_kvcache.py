@@ -7,7 +7,6 @@ from conftest import ARCHS, PAD, words
 
 from specviz.generator import Settings, generate
 from specviz.kvcache import CACHE_KINDS, KVState
-from specviz.leanllama import MKL_ROWS, LeanLlama
 
 
 def fresh_logits(model, ids: list[int], vocab: int) -> torch.Tensor:
@@ -46,37 +45,6 @@ def test_rolled_back_state_equals_a_fresh_forward(pattern_pair, arch, kind):
         cached = state.forward(last, torch.ones(2, 1, dtype=torch.bool)).logits[:, -1]
     for row in range(2):
         torch.testing.assert_close(cached[row], fresh_logits(pair.target, seqs[row], V), atol=1e-4, rtol=1e-4)
-
-
-def test_a_float32_pass_one_row_short_of_the_mkl_width_runs_padded(pattern_pair, monkeypatch):
-    """A single row's float32 verify pass of 4 tokens (γ = 3) runs as 5 slots, the last a hole, so
-    it takes the MKL-packed path; its logits, and the next forward after a rollback, equal fresh
-    forwards. Four rows of one token (4 rows too) are not padded."""
-    pair = pattern_pair("llama")
-    lean = LeanLlama.of(pair.target)
-    if lean.head.packing != "mkl":
-        pytest.skip("this torch build has no MKL")
-    ran = []
-    forward = LeanLlama.forward
-    monkeypatch.setattr(LeanLlama, "forward", lambda self, ids, *a: ran.append(ids.shape[1]) or forward(self, ids, *a))
-    V, prompt, verify = pair.vocab_size, words(0, 1, 2, 3), words(3, 4, 9, 6)  # drafts 4, 9, 6
-    state = KVState(pair.target, 1, "static", V, capacity=8)
-    with torch.inference_mode():
-        state.prefill([prompt], PAD)
-        start = state.width
-        logits = state.forward(torch.tensor([verify]), torch.ones(1, 4, dtype=torch.bool)).logits[0]
-        assert ran[-1] == MKL_ROWS == 5 and logits.shape[0] == 4
-        state.make_holes(0, start + 2, start + 4)  # keeps draft 4; rejects 9 and what follows
-        state.trim()
-        after = state.forward(torch.tensor([words(5)]), torch.ones(1, 1, dtype=torch.bool)).logits[0, -1]
-        rows = KVState(pair.target, 4, "static", V, capacity=8)  # four rows of one token: no padding
-        rows.prefill([prompt] * 4, PAD)
-        rows.forward(torch.tensor([words(3)] * 4), torch.ones(4, 1, dtype=torch.bool))
-        assert ran[-1] == 1
-    for i in range(4):
-        torch.testing.assert_close(logits[i], fresh_logits(pair.target, prompt + verify[1 : i + 1], V),
-                                   atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(after, fresh_logits(pair.target, prompt + words(4, 5), V), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", CACHE_KINDS)

@@ -32,10 +32,10 @@ def test_device_and_dtype_resolution(monkeypatch):
 
     cpu = torch.device("cpu")
     assert resolve_device("cpu") == cpu
-    assert resolve_dtype("float32", cpu) == torch.float32
-    monkeypatch.setattr(models, "_cpu_has_fast_bf16", lambda: True)
-    assert resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(models, "_cpu_has_fast_bf16", lambda: False)  # bf16 would be emulated: float32
-    assert resolve_dtype("auto", cpu) == torch.float32
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.float16
+    assert resolve_dtype("float32", cpu)[0] == torch.float32
+    monkeypatch.setattr(models.kernels, "compare_dtypes", lambda out, inp, progress=None: (torch.bfloat16, "measured"))
+    assert resolve_dtype("auto", cpu, (49152, 576)) == (torch.bfloat16, "auto: measured")
+    assert resolve_dtype("auto", cpu)[0] == torch.float32  # no shape to measure with
+    # emulated bf16 (T4, V100) is not native: float16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_dtype("auto", torch.device("cuda"))[0] == torch.float16

@@ -1,0 +1,326 @@
+"""Matrix-product kernels chosen by measuring them on the CPU that runs them.
+
+No kernel wins on every CPU. Measured on three 2-core x86 CPUs (BRIEF.md), the 576x49152 output
+head in float32 is fastest through oneDNN's packed weights on one, through MKL's on another, and
+through plain `F.linear` at 2-3 rows on a third; bf16 packing raises where the CPU lacks bf16
+instructions. So nothing here is fixed from one machine's timings: the first time a model is
+loaded, every linear shape is timed on each path this CPU can run, at the row counts the decoder
+uses (ROWS: one-token steps, verify and draft widths), candidates interleaved, medians compared.
+The fastest path per (shape, rows) goes into a table in the specviz cache folder, keyed by the
+machine (CPU model, instruction sets, capped ones too, threads, torch version) and dtype; a later
+start reads it. A path the CPU cannot run, or that gives wrong numbers, is skipped and the reason
+kept.
+
+A path is one registry line in PATHS: how to pack a weight (once, or once per row count) and how
+to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for its rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+
+from .cachedir import cache_root
+
+ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wider verifies and drafts
+CELL_BUDGET_S = 0.025  # seconds of timing per (shape, rows, path), at least MIN_REPEATS repeats
+MIN_REPEATS, MAX_REPEATS = 5, 40
+WEIGHTS_PER_SHAPE = 4  # distinct weights swept per timing, so reads come from memory as in a step
+ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+             "avx_ne_convert")
+log = logging.getLogger("specviz")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    per_rows: bool  # the packing depends on the row count: one packed copy per row count used
+    pack: Callable[[torch.Tensor, int], torch.Tensor | None]  # (weight [N, K], rows) -> packed; raises if unsupported
+    run: Callable[..., torch.Tensor]  # (x [..., K], packed, weight, bias, rows) -> [..., N]
+    about: str = ""
+
+
+def _plain(x, packed, weight, bias, rows):
+    return F.linear(x, weight, bias)
+
+
+def _onednn(x, packed, weight, bias, rows):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _mkl(x, packed, weight, bias, rows):
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+
+
+PATHS: dict[str, KernelPath] = {p.name: p for p in [
+    KernelPath("linear", (torch.float32, torch.bfloat16, torch.float16, torch.float64), False, lambda w, r: None,
+               _plain, "F.linear: ATen's own choice per call"),
+    KernelPath("onednn", (torch.float32, torch.bfloat16), False,
+               lambda w, r: torch.ops.mkldnn._reorder_linear_weight(w, 1), _onednn,
+               "weights reordered once for oneDNN (bf16 needs AVX512-BF16 or AVX-NE-CONVERT)"),
+    KernelPath("mkl", (torch.float32,), True, lambda w, r: torch.ops.mkl._mkl_reorder_linear_weight(w, r), _mkl,
+               "weights packed for MKL's sgemm, one copy per row count"),
+]}
+
+
+# --- the machine ---------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    """What the kernel timings depend on. Caps set in the environment count: ONEDNN_MAX_CPU_ISA and
+    ATEN_CPU_CAPABILITY make this CPU run another class's kernels, and get their own table."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")) and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags],
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "arch": platform.machine()}
+
+
+def cpu_class(m: dict | None = None) -> str:
+    """AMX, AVX512-BF16, AVX512, AVX2 or other: the class of kernels this process runs (caps included)."""
+    m = m or machine()
+    isa, cap = set(m["isa"]), m["onednn_max_isa"].upper()
+    capped = cap and not cap.startswith("AVX512_CORE_AMX") and cap != "ALL"
+    if m["aten_capability"] in ("avx2", "default") or cap.startswith("AVX2") or cap.startswith("SSE"):
+        return "AVX2" + (" (capped)" if "avx512f" in isa else "") if "avx2" in isa else "other"
+    if "amx_bf16" in isa and not capped:
+        return "AMX"
+    if "avx512_bf16" in isa and not (capped and cap in ("AVX512_CORE", "AVX512_CORE_VNNI")):
+        return "AVX512-BF16" + (" (capped)" if "amx_bf16" in isa else "")
+    if "avx512f" in isa:
+        return "AVX512" + (" (capped)" if "avx512_bf16" in isa else "")
+    return "AVX2" if "avx2" in isa else "other"
+
+
+def describe_machine(m: dict | None = None) -> str:
+    m = m or machine()
+    return f"{m['cpu']} ({cpu_class(m)}; {' '.join(m['isa']) or 'no AVX'}), {m['threads']} threads, torch {m['torch']}"
+
+
+def _key(m: dict, dtype: torch.dtype) -> str:
+    facts = json.dumps([m, str(dtype)], sort_keys=True)
+    return f"{str(dtype).removeprefix('torch.')}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+
+def shape_key(weight: torch.Tensor) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]}"  # out x in
+
+
+@dataclass
+class KernelTable:
+    """ms per call, by shape ("out x in"), rows and path; the fastest is the choice."""
+
+    machine: dict
+    dtype: str
+    times: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # shape -> rows -> path -> ms
+    skipped: dict[str, str] = field(default_factory=dict)  # path -> why this CPU cannot use it
+    file: str = ""
+
+    def best(self, shape: str, rows: int, per_rows_ok: bool = True) -> str:
+        """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
+        above it (above the largest, the largest's fastest that needs no copy per row count)."""
+        by_rows = self.times.get(shape)
+        if not by_rows:
+            return "linear"
+        timed = sorted(int(r) for r in by_rows)
+        at = next((r for r in timed if r >= rows), timed[-1])
+        ms = by_rows[str(at)]
+        fit = per_rows_ok and rows <= timed[-1]
+        candidates = {p: t for p, t in ms.items() if p in PATHS and (fit or not PATHS[p].per_rows)}
+        return min(candidates, key=candidates.get) if candidates else "linear"
+
+    def save(self) -> None:
+        path = Path(self.file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"machine": self.machine, "dtype": self.dtype, "times": self.times, "skipped": self.skipped},
+                      f, indent=1)
+        os.replace(tmp, path)
+
+
+_TABLES: dict[str, KernelTable] = {}
+
+
+def table(dtype: torch.dtype, retune: bool = False) -> KernelTable:
+    """This machine's table for dtype: from memory, else from the cache folder, else empty."""
+    m = machine()
+    key = _key(m, dtype)
+    if not retune and key in _TABLES:
+        return _TABLES[key]
+    file = cache_root() / "kernels" / f"{key}.json"
+    found = None
+    if not retune and file.is_file():
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            found = KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file))
+        except (ValueError, KeyError, OSError) as err:
+            log.warning("specviz: ignoring an unreadable kernel table %s (%s); measuring again", file, err)
+    _TABLES[key] = found or KernelTable(m, str(dtype).removeprefix("torch."), file=str(file))
+    return _TABLES[key]
+
+
+def _runs_here(path: KernelPath, dtype: torch.dtype) -> str:
+    """'' if the path runs on this CPU in dtype and agrees with F.linear; else why not."""
+    if dtype not in path.dtypes:
+        return f"no {str(dtype).removeprefix('torch.')} kernel"
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 32, generator=gen).to(dtype), torch.randn(3, 32, generator=gen).to(dtype)
+    try:
+        with torch.inference_mode():
+            got = path.run(x, path.pack(w, 3), w, None, 3)
+    except Exception as err:  # noqa: BLE001 - an unsupported instruction set raises RuntimeError and others
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    want = F.linear(x.double(), w.double())
+    if not torch.allclose(got.double(), want, rtol=0.05, atol=0.05 if dtype in (torch.bfloat16, torch.float16)
+                          else 1e-3):
+        return "gives wrong results on this CPU"
+    return ""
+
+
+def unavailable(dtype: torch.dtype) -> dict[str, str]:
+    """The packed paths this CPU cannot run in dtype, each with why (F.linear always runs)."""
+    return {p.name: why for p in PATHS.values() if p.name != "linear" and (why := _runs_here(p, dtype))}
+
+
+def _time_cells(weights: list[torch.Tensor], paths: list[KernelPath], rows_list: Iterable[int]) -> dict:
+    """rows -> path -> ms per call; paths interleaved within each repeat, medians."""
+    out: dict[str, dict[str, float]] = {}
+    once = {p.name: [p.pack(w, 1) for w in weights] for p in paths if not p.per_rows}
+    for rows in rows_list:
+        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        packs = {p.name: once.get(p.name) or [p.pack(w, rows) for w in weights] for p in paths}
+
+        def sweep(p: KernelPath, x=x, packs=packs, rows=rows) -> float:
+            start = time.perf_counter()
+            for w, packed in zip(weights, packs[p.name], strict=True):
+                p.run(x, packed, w, None, rows)
+            return (time.perf_counter() - start) / len(weights)
+
+        first = {p.name: sweep(p) for p in paths}  # warm-up, and the size of a repeat
+        repeats = int(min(MAX_REPEATS, max(MIN_REPEATS, CELL_BUDGET_S / max(max(first.values()), 1e-6))))
+        samples: dict[str, list[float]] = {p.name: [] for p in paths}
+        for _ in range(repeats):
+            for p in paths:
+                samples[p.name].append(sweep(p))
+        out[str(rows)] = {name: round(1000 * median(s), 4) for name, s in samples.items()}
+    return out
+
+
+@torch.inference_mode()
+def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retune: bool = False) -> None:
+    """Time every shape of these CPU weights that this machine's table lacks (all, with retune),
+    per dtype; save the table."""
+    by_dtype: dict[torch.dtype, dict[str, list[torch.Tensor]]] = {}
+    for w in weights:
+        if w.device.type == "cpu":
+            by_dtype.setdefault(w.dtype, {}).setdefault(shape_key(w), []).append(w)
+    for dtype, shapes in by_dtype.items():
+        t = table(dtype, retune)
+        missing = {s: ws for s, ws in shapes.items() if s not in t.times}
+        if not missing:
+            continue
+        t.skipped = unavailable(dtype)
+        paths = [p for p in PATHS.values() if p.name not in t.skipped]
+        say = progress or log.info
+        started = time.perf_counter()
+        say(f"measuring matrix-product kernels on this CPU in {t.dtype} (once; later starts read {t.file}): "
+            f"{len(missing)} shapes x {len(ROWS)} row counts x paths {', '.join(p.name for p in paths)}")
+        for i, (shape, ws) in enumerate(missing.items(), 1):
+            t.times[shape] = _time_cells([w.detach().contiguous() for w in ws[:WEIGHTS_PER_SHAPE]], paths, ROWS)
+            say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)")
+        t.save()
+
+
+def choose(weight: torch.Tensor, rows: int) -> str:
+    """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be)."""
+    t = table(weight.dtype)
+    key = shape_key(weight)
+    if key not in t.times:
+        tune([weight])
+    return t.best(key, rows)
+
+
+# --- the dtype `auto` picks on a CPU ---------------------------------------------------------------
+
+
+def compare_dtypes(out_features: int, in_features: int, rows: tuple[int, ...] = (1, 3),
+                   progress: Progress | None = None) -> tuple[torch.dtype, str]:
+    """(dtype, why): bfloat16 if its fastest kernel for the model's largest matrix (the output head,
+    out x in) beats float32's at a step and a verify pass, measured here; else float32."""
+    ms = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        t = table(dtype)
+        key = f"{out_features}x{in_features}"
+        if key not in t.times:
+            tune([torch.randn(out_features, in_features).to(dtype) / in_features ** 0.5], progress)
+        ms[dtype] = sum(t.times[key][str(r)][t.best(key, r)] for r in rows)  # rows are among ROWS
+    fp32, bf16 = ms[torch.float32], ms[torch.bfloat16]
+    label = f"the output head ({out_features}x{in_features}) at {'+'.join(map(str, rows))} rows"
+    if bf16 < 0.9 * fp32:
+        return torch.bfloat16, f"bfloat16: {label} costs {bf16:.2f} ms against {fp32:.2f} ms in float32 on this CPU"
+    return torch.float32, (f"float32: {label} costs {fp32:.2f} ms against {bf16:.2f} ms in bfloat16 on this CPU "
+                           "(bfloat16 is not faster here)")
+
+
+def summary(dtype: torch.dtype) -> dict:
+    """The table's choices for a run's JSON: shape -> rows -> path, and what was skipped."""
+    t = table(dtype)
+    return {"machine": describe_machine(t.machine), "dtype": t.dtype, "skipped": t.skipped,
+            "choice": {s: {r: t.best(s, int(r)) for r in by_rows} for s, by_rows in t.times.items()}}
+
+
+def bandwidth_gbs(tensors: list[torch.Tensor]) -> float:
+    """GB/s of one read of these tensors (a sum over each), the median of three."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            for t in tensors:
+                t.sum()
+            times.append(time.perf_counter() - start)
+    return nbytes / median(times) / 1e9
+
+
+def table_text(dtype: torch.dtype, shapes: Iterable[str] | None = None) -> str:
+    """Markdown: ms per call for every path at every row count, the chosen path starred."""
+    t = table(dtype)
+    names = [p for p in PATHS if p not in t.skipped]
+    lines = ["| shape (out x in) | path | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in ROWS) + " |",
+             "|---|---|" + "---|" * len(ROWS)]
+    for shape in shapes or t.times:
+        by_rows = t.times.get(shape, {})
+        for name in names:
+            cells = []
+            for r in ROWS:
+                ms = by_rows.get(str(r), {}).get(name)
+                star = "*" if ms is not None and t.best(shape, r) == name else ""
+                cells.append("–" if ms is None else f"{ms:.3f}{star}")
+            lines.append(f"| {shape} | {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,205 @@
+"""Kernels chosen by measuring on this machine (kernels.py): the table, its choices, its cache, and
+every CPU-dependent path forced on this CPU (instruction-set caps, packing made to fail)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PAD, words
+
+from specviz import kernels
+from specviz.generator import Settings, generate
+from specviz.kvcache import KVState
+from specviz.leanllama import LeanLlama, Linear
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fresh_tables(tmp_path, monkeypatch):
+    """An empty cache folder and no table in memory; restored afterwards."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    saved = dict(kernels._TABLES)
+    kernels._TABLES.clear()
+    yield tmp_path
+    kernels._TABLES.clear()
+    kernels._TABLES.update(saved)
+
+
+def _relinked(pair):
+    """The pair's lean forward built again, so its Linear modules ask the (new) table."""
+    pair.target.__dict__.pop("_specviz_lean", None)
+    return LeanLlama.of(pair.target)
+
+
+def test_the_table_is_measured_once_stored_and_read_back(fresh_tables):
+    w = torch.randn(96, 64)
+    kernels.tune([w])
+    t = kernels.table(torch.float32)
+    assert set(t.times["96x64"]) == {str(r) for r in kernels.ROWS}
+    assert "linear" in t.times["96x64"]["1"]
+    stored = json.loads(Path(t.file).read_text())
+    assert stored["machine"] == kernels.machine() and stored["times"] == t.times
+    kernels._TABLES.clear()  # a later start reads the file instead of measuring
+    again = kernels.table(torch.float32)
+    assert again is not t and again.times == t.times
+    assert kernels.table(torch.float32, retune=True).times == {}  # retune starts empty
+
+
+def test_the_choice_is_the_fastest_at_the_nearest_timed_rows():
+    t = kernels.KernelTable({}, "float32", {"8x8": {
+        "1": {"linear": 1.0, "onednn": 2.0, "mkl": 0.5},
+        "4": {"linear": 1.0, "onednn": 0.7, "mkl": 3.0},
+        "16": {"linear": 2.0, "onednn": 3.0, "mkl": 1.0}}})
+    assert t.best("8x8", 1) == "mkl"
+    assert t.best("8x8", 3) == "onednn"  # 3 rows: as measured at 4
+    assert t.best("8x8", 16) == "mkl"
+    assert t.best("8x8", 40) == "linear"  # beyond the timed rows: no copy per row count
+    assert t.best("other", 1) == "linear"  # never measured
+
+
+def test_a_machine_keys_its_own_table(monkeypatch):
+    m = kernels.machine()
+    other = {**m, "isa": [f for f in m["isa"] if f != "avx512_bf16"] + ["x"]}
+    assert kernels._key(m, torch.float32) != kernels._key(other, torch.float32)
+    assert kernels._key(m, torch.float32) != kernels._key(m, torch.bfloat16)
+    assert kernels.cpu_class({**m, "isa": ["avx2"], "aten_capability": "avx2", "onednn_max_isa": ""}) == "AVX2"
+    assert kernels.cpu_class({**m, "isa": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "aten_capability": "avx512",
+                              "onednn_max_isa": ""}) == "AMX"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_unavailable_skips_the_path_and_decodes_the_same(pattern_pair, fresh_tables, monkeypatch, dtype):
+    """Make every packed path raise (a CPU without oneDNN or MKL, or without bf16 instructions):
+    the table says why, every product runs through F.linear, and greedy text is unchanged."""
+    pair = pattern_pair("llama", dtype)
+    settings = Settings(gamma=3, max_new_tokens=12, drafter="model", record_top=0)
+    prompt = words(0, 1, 2, 3)
+    before = generate(pair, "", settings, prompt_ids=prompt).token_ids
+
+    def broken(w, rows):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    for name in ("onednn", "mkl"):
+        monkeypatch.setitem(kernels.PATHS, name, kernels.KernelPath(name, kernels.PATHS[name].dtypes, False, broken,
+                                                                    kernels.PATHS[name].run))
+    kernels._TABLES.clear()
+    try:
+        lean = _relinked(pair)
+        kernels.tune([lin.weight for lin in lean.linears()], retune=True)
+        t = kernels.table(dtype)
+        assert "avx_ne_convert" in t.skipped["onednn"]
+        assert all(set(ms) == {"linear"} for by_rows in t.times.values() for ms in by_rows.values())
+        after = generate(pair, "", settings, prompt_ids=prompt).token_ids
+        assert {name for lin in lean.linears() for name in lin.paths.values()} == {"linear"}
+    finally:
+        pair.target.__dict__.pop("_specviz_lean", None)
+    assert after == before
+
+
+def test_each_row_count_takes_its_chosen_path_and_matches_a_fresh_forward(pattern_pair, fresh_tables):
+    """A table that picks MKL at 4 rows and oneDNN at 1: a 4-token verify pass packs for MKL at 4
+    rows, a step uses oneDNN, and the logits equal transformers' forward."""
+    pair = pattern_pair("llama")
+    if not torch.backends.mkl.is_available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build lacks MKL or oneDNN")
+    lean = _relinked(pair)
+    t = kernels.table(torch.float32)
+    for lin in lean.linears():
+        t.times[kernels.shape_key(lin.weight)] = {"1": {"linear": 2.0, "onednn": 1.0, "mkl": 3.0},
+                                                  "4": {"linear": 2.0, "onednn": 3.0, "mkl": 1.0}}
+    V, prompt, verify = pair.vocab_size, words(0, 1, 2, 3), words(3, 4, 9, 6)
+    state = KVState(pair.target, 1, "static", V, capacity=12)
+    try:
+        with torch.inference_mode():
+            state.prefill([prompt], PAD)
+            logits = state.forward(torch.tensor([verify]), torch.ones(1, 4, dtype=torch.bool)).logits[0]
+            step = state.forward(torch.tensor([words(5)]), torch.ones(1, 1, dtype=torch.bool)).logits[0, -1]
+            full = pair.target(torch.tensor([prompt + verify[1:] + words(5)])).logits[0, -5:, :V].float()
+        assert lean.head.paths == {4: "mkl", 1: "onednn"}
+        assert ("mkl", 4) in lean.head.packs and ("onednn", 0) in lean.head.packs
+    finally:
+        pair.target.__dict__.pop("_specviz_lean", None)
+    torch.testing.assert_close(logits, full[:4], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step, full[4], atol=1e-4, rtol=1e-4)
+
+
+def test_a_linear_on_another_device_never_asks_the_table():
+    lin = Linear(torch.randn(8, 4, device="meta"), None)
+    assert lin.path(3) == ("linear", None)
+
+
+def test_auto_dtype_comes_from_the_measurement(fresh_tables):
+    from specviz.models import resolve_dtype
+
+    for dtype, ms in ((torch.float32, 1.0), (torch.bfloat16, 3.0)):  # bf16 measured slower: float32
+        t = kernels.table(dtype)
+        t.times["40x30"] = {str(r): {"linear": ms} for r in kernels.ROWS}
+    dtype, why = resolve_dtype("auto", torch.device("cpu"), (40, 30))
+    assert dtype == torch.float32 and "not faster" in why
+    kernels.table(torch.bfloat16).times["40x30"] = {str(r): {"linear": 0.2} for r in kernels.ROWS}
+    dtype, why = resolve_dtype("auto", torch.device("cpu"), (40, 30))
+    assert dtype == torch.bfloat16 and "0.40 ms against 2.00 ms" in why
+    assert resolve_dtype("float32", torch.device("cpu")) == (torch.float32, "as asked")
+
+
+FORCED = """
+import sys, torch
+from specviz import kernels
+from specviz.models import load_pair
+from specviz.generator import Settings, generate
+pair = load_pair(sys.argv[1], sys.argv[2], device="cpu", dtype=sys.argv[3])
+ids = [5, 6, 7, 8, 5, 6]
+settings = Settings(gamma=3, max_new_tokens=10, drafter="model", record_top=0)
+spec = generate(pair, "", settings, prompt_ids=ids).token_ids
+base = generate(pair, "", settings, prompt_ids=ids, mode="baseline").token_ids
+t = kernels.table(pair.dtype)
+print(kernels.cpu_class(), "|", pair.dtype_reason, "|", sorted(t.skipped), "|", spec == base)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap,aten", [("AVX2", "avx2"), ("AVX512_CORE", "avx512"), ("AVX512_CORE_BF16", "avx512"),
+                                      ("AVX512_CORE_AMX", "avx512")])
+def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_path, cap, aten):
+    """This CPU runs another class's kernels under ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY caps (a
+    cap above what the CPU has changes nothing). Each class: both dtypes decode, no traceback,
+    speculative = baseline; under the AVX2 cap bf16 packing is skipped and the reason is shown."""
+    target, draft = pattern_dirs("llama")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap, "ATEN_CPU_CAPABILITY": aten, "SPECVIZ_CACHE": str(tmp_path),
+           "PYTHONPATH": str(ROOT)}
+    for dtype in ("float32", "bfloat16"):
+        out = subprocess.run([sys.executable, "-c", FORCED, str(target), str(draft), dtype], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        cls, why, skipped, same = out.stdout.strip().splitlines()[-1].split(" | ")
+        assert same == "True" or dtype == "bfloat16"  # bf16 near-ties may part; float32 must not
+        if cap == "AVX2" and dtype == "bfloat16":
+            assert cls.startswith("AVX2") and "onednn" in skipped and "no bf16 matrix instructions" in why
+
+
+@pytest.mark.slow
+@pytest.mark.offline_model
+@pytest.mark.parametrize("cap", ["", "AVX2"])
+def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, cap):
+    """`specviz kernels` on this CPU and capped to AVX2 (no AVX512): the machine's class, the
+    table with a chosen path per row count, c(k); a second start reads the stored table."""
+    env = {**os.environ, "SPECVIZ_CACHE": os.environ.get("SPECVIZ_CACHE", str(Path.home() / ".cache" / "specviz")),
+           "PYTHONPATH": str(ROOT)}
+    if cap:
+        env.update(ONEDNN_MAX_CPU_ISA=cap, ATEN_CPU_CAPABILITY=cap.lower())
+    command = [sys.executable, "-m", "specviz", "kernels", "--dtype", "float32", "--repeats", "2"]
+    first = subprocess.run(command + ["--retune"], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "measuring matrix-product kernels" in first.stderr
+    assert "| 49152x576 | linear |" in first.stdout and "*" in first.stdout
+    assert "3 tokens / 1" in first.stdout and "bandwidth:" in first.stdout
+    if cap:
+        assert "AVX2" in first.stdout.splitlines()[0]
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and "measuring matrix-product kernels" not in second.stderr
+    assert "read in" in second.stdout
