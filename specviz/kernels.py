@@ -17,6 +17,7 @@ to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -80,9 +81,9 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
 # --- the machine ---------------------------------------------------------------------------------
 
 
-def machine() -> dict:
-    """What the kernel timings depend on. Caps set in the environment count: ONEDNN_MAX_CPU_ISA and
-    ATEN_CPU_CAPABILITY make this CPU run another class's kernels, and get their own table."""
+@functools.cache
+def _cpu() -> tuple[str, tuple[str, ...]]:
+    """(CPU model, its flags), read once per process."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -92,8 +93,14 @@ def machine() -> dict:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags],
-            "aten_capability": torch.backends.cpu.get_cpu_capability(),
+    return model, tuple(f for f in ISA_FLAGS if f in flags)
+
+
+def machine() -> dict:
+    """What the kernel timings depend on. Caps set in the environment count: ONEDNN_MAX_CPU_ISA and
+    ATEN_CPU_CAPABILITY make this CPU run another class's kernels, and get their own table."""
+    model, isa = _cpu()
+    return {"cpu": model, "isa": list(isa), "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "arch": platform.machine()}
 

@@ -63,6 +63,8 @@ class Linear(nn.Module):
         LeanLlama.compiler packs the compiled widths beforehand)."""
         name = self.paths.get(rows)
         if name is None:
+            if torch.compiler.is_compiling():  # a row count not planned before tracing: plain
+                return "linear", None
             name = self.paths[rows] = kernels.choose(self.weight, rows) if self.weight.device.type == "cpu" \
                 else "linear"
         kind = kernels.PATHS[name]
