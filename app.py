@@ -21,6 +21,7 @@ from pathlib import Path
 import gradio as gr
 
 from specviz import charts
+from specviz.costs import Choice, Costs, describe, first_run
 from specviz.events import Run, load_runs
 from specviz.generator import HEAD_DRAFTERS, MAX_GAMMA, Settings, compile_by_default, generate
 from specviz.generator import validate_prompt as check_prompt
@@ -74,7 +75,8 @@ MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
 MAX_TOKENS_UI = 256 if PUBLIC else 512
 MAX_GAMMA_UI = 8 if PUBLIC else MAX_GAMMA
 GAMMA_MAX_ADAPTIVE = min(16, MAX_GAMMA_UI)  # the cap an adaptive policy grows to
-FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset's fastest measured settings
+FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
+log = logging.getLogger("specviz")
 MAX_BATCH_UI = 4 if PUBLIC else 8
 BATCH_SEPARATOR = "---"
 TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
@@ -614,14 +616,40 @@ def inspect_token(runs, choice):
     return charts.token_inspector(token, f"round {round_index + 1}, position {position + 1}:")
 
 
+_MACHINE_CHOICES: dict[str, tuple[Choice, Costs]] = {}  # preset -> its drafter and γ measured best here
+
+
+def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
+    """The preset's drafter and γ with the best expected speedup on this machine (measured once, then
+    read from the cache; costs.py), or None for a preset without measured tokens per round."""
+    if preset not in _MACHINE_CHOICES and PRESETS[preset].tokens_per_round:
+        choice, costs = first_run(get_pair(preset, "", ""), PRESETS[preset].taus(), progress=log.info)
+        if choice:
+            _MACHINE_CHOICES[preset] = choice, costs
+    return _MACHINE_CHOICES.get(preset)
+
+
+def first_run_values(preset: str) -> tuple[str, int, str]:
+    """(drafter, γ, a note) for a first run of this preset: measured here if already known, else the preset's."""
+    known = _MACHINE_CHOICES.get(preset)
+    if known:
+        return known[0].drafter, known[0].gamma, note_html(describe(*known))
+    return PRESETS[preset].drafter, PRESETS[preset].gamma, ""
+
+
+def page_opened():
+    drafter, gamma, note = first_run_values("offline")
+    return gr.update(value=drafter), gr.update(value=gamma), note
+
+
 def preset_changed(preset):
-    """Custom boxes shown for a custom pair; a preset's own first-run settings (drafter, γ, policy)."""
+    """Custom boxes shown for a custom pair; a preset's first-run settings (drafter, γ, policy)."""
     boxes = [gr.update(visible=preset == CUSTOM)] * 2
     if preset not in PRESETS:
         return [*boxes, gr.skip(), gr.skip(), gr.skip()]
-    chosen = PRESETS[preset]
-    return [*boxes, gr.update(value=chosen.drafter), gr.update(value=chosen.gamma),
-            gr.update(value=chosen.gamma_policy)]
+    drafter, gamma, _ = first_run_values(preset)
+    return [*boxes, gr.update(value=drafter), gr.update(value=gamma),
+            gr.update(value=PRESETS[preset].gamma_policy)]
 
 
 def race(runs):
@@ -760,6 +788,7 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     race_btn.click(race, runs_state, race_box, api_visibility="private")
     preset.change(preset_changed, preset, [custom_target, custom_draft, drafter, gamma, gamma_policy],
                   api_visibility="private")
+    demo.load(page_opened, None, [drafter, gamma, status], api_visibility="private")
 
 
 def launch(**kwargs):
@@ -773,9 +802,11 @@ def warm_up() -> None:
     the first visitor's first round pays neither for loading nor for the kernels' first calls (nor,
     with SPECVIZ_COMPILE=1, for compiling the default settings' forwards)."""
     pair = get_pair("offline", "", "")
-    drafter = FIRST_RUN.drafter if FIRST_RUN.drafter not in HEAD_DRAFTERS or pair.head is not None else "model"
-    # a full round at the first run's γ
-    settings = Settings(gamma=FIRST_RUN.gamma, drafter=drafter, max_new_tokens=FIRST_RUN.gamma + 2, record_top=0)
+    if pair.head is not None:  # the first run's drafter and γ, measured best on this machine
+        machine_first_run("offline")
+    drafter, gamma, _ = first_run_values("offline")
+    drafter = drafter if drafter not in HEAD_DRAFTERS or pair.head is not None else "model"
+    settings = Settings(gamma=gamma, drafter=drafter, max_new_tokens=gamma + 2, record_top=0)  # a full round
     for mode in ("speculative", "baseline"):
         generate(pair, EXAMPLES[0], settings, mode=mode)
 

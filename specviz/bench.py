@@ -75,21 +75,9 @@ def step_times(pair: ModelPair, prompt_ids: list[int], caches: list[str], widths
     repeat runs at the same length; kinds and widths alternate within each repeat."""
     import torch
 
+    from .costs import timed_forward
     from .kvcache import KVState
     from .leanllama import LeanLlama, Linear
-
-    def timed_forward(state: KVState):
-        def run(k: int) -> float:
-            ids = torch.tensor([prompt_ids[-k:]], device=pair.device)
-            start = time.perf_counter()
-            state.forward(ids, torch.ones_like(ids, dtype=torch.bool))
-            if pair.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = 1000 * (time.perf_counter() - start)
-            state.make_holes(0, state.width - k, state.width)
-            state.trim()
-            return elapsed
-        return run
 
     def timed_matmuls(lean: LeanLlama):
         linears = [m for m in lean.modules() if isinstance(m, Linear)]
@@ -111,7 +99,7 @@ def step_times(pair: ModelPair, prompt_ids: list[int], caches: list[str], widths
                 state = KVState(model, 1, cache, pair.vocab_size, len(prompt_ids) + max(widths) + 1, compiled)
                 with torch.inference_mode():
                     state.prefill([prompt_ids], 0)
-                timers[model_name, cache + (", compiled" if compiled else "")] = timed_forward(state)
+                timers[model_name, cache + (", compiled" if compiled else "")] = timed_forward(state, prompt_ids)
         if "static" in caches and LeanLlama.supports(model):
             timers[model_name, MATMULS] = timed_matmuls(LeanLlama.of(model))
     times: dict[tuple[str, str, int], list[float]] = {}
@@ -375,17 +363,19 @@ def _median(values) -> float | None:
 
 
 def summary_by_setting(rows: list[BenchRow]) -> str:
-    """Median over prompts (and seeds) for each (drafter, temperature, γ or policy). specviz / HF compares
+    """Median over prompts (and seeds) for each (drafter, temperature, γ or policy), and the mean tokens
+    per round (the expectation a drafter's choice needs: costs.py). specviz / HF compares
     with HF assisted generation (draft model) or HF prompt lookup (lookup) at the same γ."""
-    lines = ["| drafter | T | γ | median α | median tokens/round | median c | median speedup "
+    lines = ["| drafter | T | γ | median α | median tokens/round | mean tokens/round | median c | median speedup "
              "| median vs faster baseline | median bound | median efficiency | median specviz / HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r.drafter, r.temperature, r.policy != "fixed", r.policy, r.gamma) for r in rows})
     for drafter, t, _, policy, g in keys:
         sel = [r for r in rows if (r.drafter, r.temperature, r.policy, r.gamma) == (drafter, t, policy, g)]
         label = str(g) if policy == "fixed" else f"{policy} (mean {_median(r.mean_gamma for r in sel):.1f})"
         lines.append(f"| {drafter} | {t:g} | {label} | {_fmt(_median(r.alpha for r in sel))} | "
-                     f"{_fmt(_median(r.tokens_per_round for r in sel))} | {_fmt(_median(r.c for r in sel))} | "
+                     f"{_fmt(_median(r.tokens_per_round for r in sel))} | "
+                     f"{sum(r.tokens_per_round for r in sel) / len(sel):.2f} | {_fmt(_median(r.c for r in sel))} | "
                      f"{_fmt(_median(r.speedup for r in sel))}x | {_fmt(_median(r.speedup_vs_best for r in sel))}x | "
                      f"{_fmt(_median(r.bound for r in sel))} | {_fmt(_median(r.efficiency for r in sel))} | "
                      f"{_fmt(_median(r.specviz_over_hf for r in sel))} |")

@@ -39,10 +39,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--target", help="target model: hub id or local directory")
     g.add_argument("--draft", help="draft model: hub id or local directory (same tokenizer)")
     g.add_argument("--gamma", type=int,
-                   help=f"tokens drafted per round, 1..{MAX_GAMMA} (default: the preset's, else 4); an adaptive "
-                        "policy starts here")
+                   help=f"tokens drafted per round, 1..{MAX_GAMMA} (default: the one expected fastest on this "
+                        "machine for the preset, else the preset's, else 4); an adaptive policy starts here")
     g.add_argument("--drafter", choices=list(DRAFTERS),
-                   help="default: the preset's. model: the pair's draft model; lookup: copy from the prompt and text "
+                   help="default: the one expected fastest on this machine for the preset (measured once), else the "
+                        "preset's. model: the pair's draft model; lookup: copy from the prompt and text "
                         "(n-grams); eagle: the target's EAGLE head (reads its hidden states; the offline preset "
                         "ships one); lookup+eagle: lookup where the text repeats itself (3 or more tokens match), "
                         "the head elsewhere")
@@ -102,6 +103,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress, head=args.head,
                      retune=args.retune)
+    chosen_line = ""  # the drafter and γ measured best on this machine, when the preset left them open
+    if preset and args.drafter is None and args.gamma is None and first_run.tokens_per_round:
+        from . import costs as machine_costs
+
+        choice, costs = machine_costs.first_run(pair, first_run.taus(), progress, args.retune)
+        if choice:
+            settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma,
+                               gamma_max=max(args.gamma_max, choice.gamma))
+            chosen_line = machine_costs.describe(choice, costs)
     check_drafter(pair, settings)
     prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
     for ids in prompts_ids:
@@ -120,6 +130,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             pass
 
     print(_pair_line(pair, settings), file=out)
+    if chosen_line:
+        print(chosen_line, file=out)
     if pair.draft_note and settings.drafter == "model":
         print(f"note: {pair.draft_note}", file=out)
     print(f"legend: {legend(colour)}\n", file=out)
@@ -251,7 +263,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     pair = load_pair(preset=args.preset, device="cpu", dtype=args.dtype, retune=args.retune,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     loaded = time.perf_counter() - started
-    kernels._TABLES.clear()  # what a later start pays to read the stored table
+    kernels.forget()  # what a later start pays to read the stored table
     started = time.perf_counter()
     table = kernels.table(pair.dtype)
     read_ms = 1000 * (time.perf_counter() - started)
@@ -269,6 +281,19 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     steps = step_times(pair, first, ["static"], widths=(1, 2, 3, 4, 5, 8, 16), repeats=args.repeats)
     print("c(k): a forward of k tokens in one-token forwards (a verify of k - 1 drafts), static cache\n")
     print(step_table(steps))
+    taus = PRESETS[args.preset].taus()
+    if taus:
+        from . import costs as machine_costs
+
+        choice, costs = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True),
+                                                args.retune)
+        print("expected speedup over plain decoding here, S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + "
+              "overhead), τ measured on held-out prompts (the preset), costs on this machine:\n")
+        print("| drafter | γ | τ (tokens per round) | draft ms per token | expected speedup |\n|---|---|---|---|---|")
+        for ch in machine_costs.rank(costs, taus)[:8]:
+            print(f"| {ch.drafter} | {ch.gamma} | {taus[ch.drafter][ch.gamma]:.2f} | "
+                  f"{costs.draft_ms[ch.drafter]:.2f} | {ch.expected:.2f}x |")
+        print(f"\n{machine_costs.describe(choice, costs)}")
     return 0
 
 

@@ -174,6 +174,11 @@ class KernelTable:
 _TABLES: dict[str, KernelTable] = {}
 
 
+def forget() -> None:
+    """Drop the tables held in memory (the next `table` call reads the stored file, as a new start would)."""
+    _TABLES.clear()
+
+
 def table(dtype: torch.dtype, retune: bool = False) -> KernelTable:
     """This machine's table for dtype: from memory, else from the cache folder, else empty."""
     m = machine()

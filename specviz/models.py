@@ -51,10 +51,20 @@ class Preset:
     offline: bool = False  # loads with no model hub
     draft_note: str = ""
     head: str = ""  # an EAGLE head for the target (eagle.py), if one was trained
-    # what a first run uses (the app's controls, the CLI's defaults): the fastest measured settings
+    # what a first run uses (the app's controls, the CLI's defaults) where nothing better is known
     drafter: str = "model"
     gamma: int = 4
     gamma_policy: str = "fixed"
+    # (drafter, γ, tokens per round) measured on the held-out prompts, greedy: a property of the pair
+    # and the text, not the machine. Where given, the first run's drafter and γ are the ones with the
+    # best expected speedup on the machine that runs (costs.py), not `drafter` and `gamma` above.
+    tokens_per_round: tuple[tuple[str, int, float], ...] = ()
+
+    def taus(self) -> dict[str, dict[int, float]]:
+        out: dict[str, dict[int, float]] = {}
+        for drafter, gamma, tau in self.tokens_per_round:
+            out.setdefault(drafter, {})[gamma] = tau
+        return out
 
 
 PRESETS: dict[str, Preset] = {
@@ -68,10 +78,19 @@ PRESETS: dict[str, Preset] = {
             "(both in assets/)",
             offline=True,
             head=OFFLINE_HEAD,
-            # the fastest measured greedy in bf16 and float32, with no category below 1.2x (BENCHMARKS.md,
-            # "Prompt lookup first, the EAGLE head elsewhere")
+            # where nothing is measured yet (BENCHMARKS.md, "Prompt lookup first, the EAGLE head elsewhere")
             drafter="lookup+eagle",
             gamma=2,
+            # mean tokens per round over the 11 held-out prompts, greedy, 64 tokens, float32 (2026-11-25, the
+            # "mean tokens/round" column of: bench --dtype float32 --drafters eagle,lookup+eagle,lookup,model
+            #   --gammas 1,2,4 --lookup-gammas 2,4 --eagle-gammas 1,2,3,4 --temperatures 0 --policies ''
+            #   --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches '')
+            tokens_per_round=(
+                ("lookup+eagle", 1, 1.49), ("lookup+eagle", 2, 1.77), ("lookup+eagle", 3, 1.90),
+                ("lookup+eagle", 4, 2.10), ("eagle", 1, 1.46), ("eagle", 2, 1.67), ("eagle", 3, 1.79),
+                ("eagle", 4, 1.95), ("lookup", 2, 1.29), ("lookup", 4, 1.41), ("model", 1, 1.22),
+                ("model", 2, 1.29), ("model", 4, 1.32),
+            ),
         ),
         Preset("opt-350m", "facebook/opt-350m", "facebook/opt-125m", "OPT 350M <- 125M"),
         Preset("gpt2-large", "openai-community/gpt2-large", "openai-community/gpt2", "GPT-2 774M <- 124M"),

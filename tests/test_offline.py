@@ -47,6 +47,8 @@ def test_cli_compare_prints_tokens_rate_and_speedup(tmp_path):
     assert "\x1b[32m" in out or "\x1b[34m" in out  # coloured tokens
     assert "acceptance rate" in out and "speedup:" in out
     assert "greedy text:" in out
+    # no --drafter or --gamma: both chosen from this machine's measured costs, and the choice said
+    assert "chosen for this machine:" in out or "no drafter and γ is expected to beat plain decoding" in out
     spec, base = load_runs(trace)
     assert spec.meta.mode == "speculative" and base.meta.mode == "baseline" and base.n_tokens == 16
 

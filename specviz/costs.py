@@ -1,0 +1,203 @@
+"""What a round costs on this machine, and the drafter and γ a first run should use here.
+
+Leviathan et al. 2023 (section 3.4), with the verify pass priced as measured rather than free: a
+round with drafter d at γ yields τ_d(γ) tokens on average (the target's own included) and costs
+γ draft steps, one forward of γ + 1 tokens and the round's bookkeeping; plain decoding pays one
+one-token forward and its bookkeeping per token. So the expected speedup over plain decoding is
+
+    S(d, γ) = τ_d(γ) · (step + base_overhead) / (verify(γ + 1) + γ · draft_d + overhead_d)
+
+τ belongs to the pair and the text, not the machine: it is measured on held-out prompts and kept
+in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
+target's forward of k tokens for k = 1..MAX_WIDTH (so c(k) = verify(k) / step), and a short
+decode per drafter for its draft time per token and its round overhead. The measurement takes a
+few seconds once per machine, pair, dtype and compile mode, and is kept in the specviz cache
+beside the kernel table (kernels.py). Where no candidate reaches S > 1, `note` says so in one
+sentence, so neither the app nor the CLI leaves the viewer to discover it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from . import kernels
+from .cachedir import cache_root
+from .generator import HEAD_DRAFTERS, Settings, compile_by_default, generate
+from .kvcache import KVState
+from .models import ModelPair, encode_prompt
+
+MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4
+CALIBRATION_PROMPT = "The future of AI"
+CALIBRATION_TOKENS = 24
+log = logging.getLogger("specviz")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Costs:
+    """ms on this machine: the target's forward by width, and per drafter its draft time per drafted
+    token and its bookkeeping per round (all but drafting and the verify forward)."""
+
+    machine: str
+    dtype: str
+    compiled: bool
+    forward_ms: dict[int, float]  # k tokens -> ms of one target forward over a cached prompt
+    draft_ms: dict[str, float] = field(default_factory=dict)  # drafter -> ms per drafted token
+    overhead_ms: dict[str, float] = field(default_factory=dict)  # drafter ("" = plain decoding) -> ms per round
+
+    def c(self, k: int) -> float:
+        """c(k): a forward of k tokens in one-token forwards."""
+        return self.forward_ms[min(k, max(self.forward_ms))] / self.forward_ms[1]
+
+
+@dataclass(frozen=True)
+class Choice:
+    drafter: str
+    gamma: int
+    expected: float  # S(d, γ), expected speedup over plain decoding on this machine
+
+
+def expected_speedup(costs: Costs, drafter: str, gamma: int, tokens_per_round: float) -> float:
+    """S(d, γ) of the module docstring."""
+    plain = costs.forward_ms[1] + costs.overhead_ms.get("", 0.0)
+    verify = costs.forward_ms[min(gamma + 1, max(costs.forward_ms))]
+    spec = verify + gamma * costs.draft_ms.get(drafter, 0.0) + costs.overhead_ms.get(drafter, 0.0)
+    return tokens_per_round * plain / spec
+
+
+def rank(costs: Costs, tokens_per_round: dict[str, dict[int, float]]) -> list[Choice]:
+    """Every (drafter, γ) with a measured τ and a measured cost, best first."""
+    choices = [Choice(d, g, expected_speedup(costs, d, g, tau))
+               for d, by_gamma in tokens_per_round.items() if d in costs.draft_ms
+               for g, tau in by_gamma.items() if g + 1 <= MAX_WIDTH]
+    return sorted(choices, key=lambda ch: -ch.expected)
+
+
+def note(best: Choice | None, costs: Costs | None) -> str:
+    """One sentence when nothing is expected to beat plain decoding here, else ''."""
+    if best is None or costs is None or best.expected >= 1.0:
+        return ""
+    return (f"On this machine no drafter and γ is expected to beat plain decoding: the best, {best.drafter} at "
+            f"γ = {best.gamma}, is expected at {best.expected:.2f}x, because a verify of {best.gamma + 1} tokens "
+            f"costs {costs.c(best.gamma + 1):.2f} one-token steps of {costs.forward_ms[1]:.1f} ms here.")
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+
+def timed_forward(state: KVState, prompt_ids: list[int]) -> Callable[[int], float]:
+    """run(k) -> ms of one forward of k tokens over the cached prompt, rolled back afterwards (a
+    verify whose drafts are all rejected), so every repeat runs at the same length."""
+    def run(k: int) -> float:
+        ids = torch.tensor([prompt_ids[-k:]], device=state.mask.device)
+        start = time.perf_counter()
+        state.forward(ids, torch.ones_like(ids, dtype=torch.bool))
+        if state.mask.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = 1000 * (time.perf_counter() - start)
+        state.make_holes(0, state.width - k, state.width)
+        state.trim()
+        return elapsed
+    return run
+
+
+def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: int, compiled: bool) -> dict[int, float]:
+    """Median ms of the target's forward of k tokens (static cache), widths interleaved."""
+    state = KVState(pair.target, 1, "static", pair.vocab_size, len(prompt_ids) + max(widths) + 1, compiled)
+    times: dict[int, list[float]] = {k: [] for k in widths}
+    with torch.inference_mode():
+        state.prefill([prompt_ids], 0)
+        run = timed_forward(state, prompt_ids)
+        for rep in range(repeats + 2):  # two to warm up (and compile)
+            for k in widths:
+                elapsed = run(k)
+                if rep >= 2:
+                    times[k].append(elapsed)
+    return {k: median(v) for k, v in times.items()}
+
+
+def _round_costs(pair: ModelPair, drafter: str, compiled: bool) -> tuple[float, float]:
+    """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2;
+    drafter "" is plain decoding (draft 0)."""
+    settings = Settings(gamma=2, drafter=drafter or "model", max_new_tokens=CALIBRATION_TOKENS, record_top=0,
+                        compile=compiled)
+    mode = "speculative" if drafter else "baseline"
+    generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
+    run = generate(pair, CALIBRATION_PROMPT, settings, mode=mode)
+    events = run.events[1:] if mode == "baseline" else run.events  # a baseline's first step is the prefill's
+    drafted = sum(e.gamma for e in events)
+    draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
+    spent = run.events[-1].elapsed_ms - run.meta.prefill_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
+    return draft, max(spent, 0.0) / max(len(run.events), 1)
+
+
+def _file(pair: ModelPair, compiled: bool) -> Path:
+    facts = json.dumps([kernels.machine(), str(pair.dtype), pair.target_name, pair.draft_name, pair.head_name,
+                        compiled], sort_keys=True)
+    return cache_root() / "kernels" / f"costs-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+
+
+def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = None, retune: bool = False,
+            compiled: bool | None = None) -> Costs:
+    """This machine's costs for the pair (from the cache unless retune or a drafter is missing)."""
+    compiled = compile_by_default() if compiled is None else compiled
+    drafters = [d for d in drafters if d not in HEAD_DRAFTERS or pair.head is not None]
+    file = _file(pair, compiled)
+    if not retune and file.is_file():
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            costs = Costs(**{**data, "forward_ms": {int(k): v for k, v in data["forward_ms"].items()}})
+            if all(d in costs.draft_ms for d in drafters):
+                return costs
+        except (ValueError, KeyError, TypeError, OSError) as err:
+            log.warning("specviz: ignoring unreadable costs %s (%s); measuring again", file, err)
+    started = time.perf_counter()
+    if progress:
+        progress(f"measuring what a round costs on this machine ({', '.join(drafters)}; once, then cached)...")
+    ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
+    costs = Costs(kernels.describe_machine() if pair.device.type == "cpu" else str(pair.device),
+                  str(pair.dtype).removeprefix("torch."), compiled,
+                  forward_ms(pair, ids, range(1, MAX_WIDTH + 1), 8, compiled))
+    for d in ["", *drafters]:
+        costs.draft_ms[d], costs.overhead_ms[d] = _round_costs(pair, d, compiled)
+    costs.draft_ms.pop("")
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(asdict(costs), f, indent=1)
+    os.replace(tmp, file)
+    if progress:
+        progress(f"measured in {time.perf_counter() - started:.1f} s: c(3) = {costs.c(3):.2f}, "
+                 f"one step {costs.forward_ms[1]:.1f} ms")
+    return costs
+
+
+def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[int, float]], progress: Progress | None = None,
+              retune: bool = False) -> tuple[Choice | None, Costs | None]:
+    """The best (drafter, γ) for this pair on this machine, with its costs; (None, None) when the pair
+    has no measured τ (then the preset's fixed defaults stand)."""
+    if not tokens_per_round:
+        return None, None
+    costs = measure(pair, list(tokens_per_round), progress, retune)
+    ranked = rank(costs, tokens_per_round)
+    return (ranked[0] if ranked else None), costs
+
+
+def describe(choice: Choice, costs: Costs) -> str:
+    """One line: the chosen drafter and γ, and why (for the CLI and the app's note)."""
+    k = choice.gamma + 1
+    return note(choice, costs) or (
+        f"chosen for this machine: {choice.drafter} at γ = {choice.gamma}, expected {choice.expected:.2f}x over "
+        f"plain decoding (a verify of {k} tokens costs {costs.c(k):.2f} one-token steps of "
+        f"{costs.forward_ms[1]:.1f} ms here).")

@@ -1,0 +1,57 @@
+"""The first run's drafter and γ from this machine's costs: the expected-speedup rule in closed form,
+the note where nothing wins, and the measurement kept in the cache."""
+
+import pytest
+
+from specviz import costs
+from specviz.costs import Choice, Costs, describe, expected_speedup, note, rank
+
+
+def made_costs(forward, draft, overhead=None) -> Costs:
+    return Costs("test machine", "float32", False, forward, draft, overhead or {})
+
+
+def test_expected_speedup_is_tokens_per_round_over_the_round_in_steps():
+    c = made_costs({1: 10.0, 2: 12.0, 3: 15.0}, {"eagle": 1.0}, {"": 1.0, "eagle": 2.0})
+    # plain: 10 + 1 per token; a γ = 2 round: verify(3) 15 + 2 drafts of 1 + 2 of bookkeeping
+    assert expected_speedup(c, "eagle", 2, 1.9) == pytest.approx(1.9 * 11 / 19)
+    assert c.c(3) == pytest.approx(1.5) and c.c(9) == pytest.approx(1.5)  # beyond the widths timed: the widest
+
+
+def test_rank_weighs_acceptance_against_the_machines_verify_cost():
+    taus = {"eagle": {1: 1.5, 2: 1.8, 3: 2.0}, "lookup": {2: 1.2}, "unmeasured": {1: 9.0}}
+    cheap = made_costs({1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0}, {"eagle": 1.0, "lookup": 0.0})
+    dear = made_costs({1: 10.0, 2: 16.0, 3: 22.0, 4: 28.0}, {"eagle": 1.0, "lookup": 0.0})
+    assert rank(cheap, taus)[0] == Choice("eagle", 3, pytest.approx(2.0 * 10 / 13))  # flat verify: draft deep
+    best = rank(dear, taus)[0]
+    assert (best.drafter, best.gamma) == ("eagle", 1)  # dear verify: draft one
+    assert all(ch.drafter != "unmeasured" for ch in rank(cheap, taus))  # no cost measured: never chosen
+    assert note(rank(cheap, taus)[0], cheap) == ""
+
+
+def test_when_nothing_beats_plain_decoding_the_note_says_so_and_why():
+    c = made_costs({1: 10.0, 2: 25.0, 3: 40.0}, {"eagle": 2.0})
+    best = rank(c, {"eagle": {1: 1.5, 2: 1.8}})[0]
+    assert best.expected < 1
+    text = describe(best, c)
+    assert "no drafter and γ is expected to beat plain decoding" in text and "2.50 one-token steps" in text
+
+
+def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    pair = pattern_pair("llama")
+    messages = []
+    choice, measured = costs.first_run(pair, {"model": {1: 1.5, 2: 1.8}}, messages.append)
+    assert choice is not None and choice.drafter == "model" and choice.gamma in (1, 2)
+    assert set(measured.forward_ms) == set(range(1, costs.MAX_WIDTH + 1)) and measured.draft_ms["model"] > 0
+    assert any("measuring what a round costs" in m for m in messages)
+    assert list((tmp_path / "kernels").glob("costs-*.json"))
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("a second start must read the stored costs")
+
+    monkeypatch.setattr(costs, "_round_costs", no_decoding)
+    monkeypatch.setattr(costs, "forward_ms", no_decoding)
+    again, read = costs.first_run(pair, {"model": {1: 1.5, 2: 1.8}})
+    assert read == measured and again == choice
+    assert costs.first_run(pair, {}) == (None, None)  # a preset with no measured τ keeps its own defaults
