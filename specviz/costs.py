@@ -143,8 +143,8 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool) -> tuple[float, 
 
 
 def _file(pair: ModelPair, compiled: bool) -> Path:
-    facts = json.dumps([kernels.machine(), str(pair.dtype), pair.target_name, pair.draft_name, pair.head_name,
-                        compiled], sort_keys=True)
+    facts = json.dumps([kernels.machine(), sorted(kernels.PATHS), str(pair.dtype), pair.target_name, pair.draft_name,
+                        pair.head_name, compiled], sort_keys=True)
     return cache_root() / "kernels" / f"costs-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 
 

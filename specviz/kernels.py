@@ -63,6 +63,13 @@ def _onednn(x, packed, weight, bias, rows):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _onednn_pack(batch_hint: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """oneDNN reorders a weight for the batch size it is told to expect: for 1 row a layout for its
+    matrix-vector kernel, for more a blocked one. Measured on an AVX2 CPU (BENCHMARKS.md), the first
+    costs twice as much at 2-5 rows as at 1, the second about the same: two paths, the table picks."""
+    return lambda w, rows: torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+
+
 def _mkl(x, packed, weight, bias, rows):
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
@@ -70,9 +77,10 @@ def _mkl(x, packed, weight, bias, rows):
 PATHS: dict[str, KernelPath] = {p.name: p for p in [
     KernelPath("linear", (torch.float32, torch.bfloat16, torch.float16, torch.float64), False, lambda w, r: None,
                _plain, "F.linear: ATen's own choice per call"),
-    KernelPath("onednn", (torch.float32, torch.bfloat16), False,
-               lambda w, r: torch.ops.mkldnn._reorder_linear_weight(w, 1), _onednn,
-               "weights reordered once for oneDNN (bf16 needs AVX512-BF16 or AVX-NE-CONVERT)"),
+    KernelPath("onednn", (torch.float32, torch.bfloat16), False, _onednn_pack(1), _onednn,
+               "weights reordered once for oneDNN, for one row (bf16 needs AVX512-BF16 or AVX-NE-CONVERT)"),
+    KernelPath("onednn16", (torch.float32, torch.bfloat16), False, _onednn_pack(16), _onednn,
+               "weights reordered once for oneDNN, for a batch of 16 rows (its blocked layout)"),
     KernelPath("mkl", (torch.float32,), True, lambda w, r: torch.ops.mkl._mkl_reorder_linear_weight(w, r), _mkl,
                "weights packed for MKL's sgemm, one copy per row count"),
 ]}
@@ -127,7 +135,7 @@ def describe_machine(m: dict | None = None) -> str:
 
 
 def _key(m: dict, dtype: torch.dtype) -> str:
-    facts = json.dumps([m, str(dtype)], sort_keys=True)
+    facts = json.dumps([m, str(dtype), sorted(PATHS)], sort_keys=True)  # a new path: a new table
     return f"{str(dtype).removeprefix('torch.')}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
 
 

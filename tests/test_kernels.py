@@ -84,7 +84,7 @@ def test_packing_unavailable_skips_the_path_and_decodes_the_same(pattern_pair, f
     def broken(w, rows):
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
 
-    for name in ("onednn", "mkl"):
+    for name in [n for n in kernels.PATHS if n != "linear"]:
         monkeypatch.setitem(kernels.PATHS, name, kernels.KernelPath(name, kernels.PATHS[name].dtypes, False, broken,
                                                                     kernels.PATHS[name].run))
     kernels._TABLES.clear()
@@ -206,3 +206,31 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "measuring matrix-product kernels" not in second.stderr
     assert "read in" in second.stdout
+
+
+@pytest.mark.parametrize("path", list(kernels.PATHS))
+def test_every_registered_path_gives_transformers_logits_at_a_step_and_a_verify(pattern_pair, fresh_tables, path):
+    """Each path in the registry, chosen for every shape and row count, decodes what transformers
+    computes (float32): a new path is tested by adding its registry line."""
+    why = kernels.unavailable(torch.float32).get(path)
+    if why:
+        pytest.skip(f"{path} does not run on this CPU: {why}")
+    pair = pattern_pair("llama")
+    lean = _relinked(pair)
+    t = kernels.table(torch.float32)
+    for lin in lean.linears():
+        t.times[kernels.shape_key(lin.weight)] = {str(r): {p: 1.0 if p == path else 2.0 for p in kernels.PATHS}
+                                                  for r in kernels.ROWS}
+    V, prompt, verify = pair.vocab_size, words(0, 1, 2, 3), words(3, 4, 9)
+    state = KVState(pair.target, 1, "static", V, capacity=12)
+    try:
+        with torch.inference_mode():
+            state.prefill([prompt], PAD)
+            logits = state.forward(torch.tensor([verify]), torch.ones(1, 3, dtype=torch.bool)).logits[0]
+            step = state.forward(torch.tensor([words(5)]), torch.ones(1, 1, dtype=torch.bool)).logits[0, -1]
+            full = pair.target(torch.tensor([prompt + verify[1:] + words(5)])).logits[0, -4:, :V].float()
+        assert lean.head.paths == {3: path, 1: path}
+    finally:
+        pair.target.__dict__.pop("_specviz_lean", None)
+    torch.testing.assert_close(logits, full[:3], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step, full[3], atol=1e-4, rtol=1e-4)
