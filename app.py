@@ -112,6 +112,7 @@ def get_pair(preset: str, custom_target: str, custom_draft: str, dtype: str = "a
         key, kwargs = (PRESETS[preset].target, PRESETS[preset].draft, dtype), {"preset": preset, "dtype": dtype}
     with _pairs_lock:
         if key not in _pairs:
+            kwargs["progress"] = log.info  # converting, measuring kernels: on the server's console
             pair = load_pair(*key[:2], **kwargs) if preset == CUSTOM else load_pair(**kwargs)
             for old in [k for k in _pairs if k != (PRESETS["offline"].target, PRESETS["offline"].draft, "auto")]:
                 del _pairs[old]  # keep memory bounded: one non-default pair at a time
@@ -813,6 +814,7 @@ def warm_up() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on the console
+    log.setLevel(logging.INFO)  # and its progress (loading, measuring this machine's kernels and costs)
     warm_up()
     launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
