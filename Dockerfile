@@ -20,7 +20,7 @@ RUN pip install --no-cache-dir --user -r requirements.txt \
 
 COPY --chown=user . .
 # Convert the offline target from GGUF once, now, and check the shipped draft loads with it.
-RUN python -c "from specviz.models import load_pair; load_pair(preset='offline', device='cpu')"
+RUN python -c "from specviz.models.loading import load_pair; load_pair(preset='offline', device='cpu')"
 
 EXPOSE 7860
 CMD ["python", "app.py"]

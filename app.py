@@ -20,14 +20,15 @@ from pathlib import Path
 
 import gradio as gr
 
-from specviz import charts
-from specviz.costs import Choice, Costs, describe, first_run
-from specviz.events import Run, load_runs
-from specviz.generator import HEAD_DRAFTERS, MAX_GAMMA, Settings, compile_by_default, generate
-from specviz.generator import validate_prompt as check_prompt
-from specviz.lossless import sample_check
-from specviz.models import PRESETS, ModelPair, load_pair
-from specviz.rendering import (
+from specviz.core.events import Run, load_runs
+from specviz.core.generator import HEAD_DRAFTERS, MAX_GAMMA, Settings, compile_by_default, generate
+from specviz.core.generator import validate_prompt as check_prompt
+from specviz.models.loading import PRESETS, ModelPair, load_pair
+from specviz.tools.costs import Choice, Costs, describe, first_run
+from specviz.tools.lossless import sample_check
+from specviz.tools.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
+from specviz.view import charts
+from specviz.view.rendering import (
     CSS,
     batch_html,
     diff_html,
@@ -39,8 +40,7 @@ from specviz.rendering import (
     stats_html,
     stream_html,
 )
-from specviz.stages import how_it_works_html, round_stages, stage_html
-from specviz.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
+from specviz.view.stages import how_it_works_html, round_stages, stage_html
 
 CUSTOM = "custom (enter ids below)"
 EXAMPLES = [

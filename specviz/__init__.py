@@ -1,10 +1,10 @@
 """specviz: watch speculative decoding, round by round."""
 
-from .events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, load_runs, save_runs
-from .generator import Settings, baseline_events, generate, generate_batch, speculative_events
-from .models import PRESETS, ModelPair, load_pair
-from .sampling import SamplingParams, accept_or_resample, logits_to_probs
-from .stream import BatchRound, Finished, RoundDone, stream, stream_batch
+from .core.events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, load_runs, save_runs
+from .core.generator import Settings, baseline_events, generate, generate_batch, speculative_events
+from .core.sampling import SamplingParams, accept_or_resample, logits_to_probs
+from .models.loading import PRESETS, ModelPair, load_pair
+from .tools.stream import BatchRound, Finished, RoundDone, stream, stream_batch
 
 __all__ = [
     "PRESETS", "BatchRound", "DraftedToken", "ExtraToken", "Finished", "ModelPair", "RoundDone", "RoundEvent", "Run",

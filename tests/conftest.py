@@ -24,7 +24,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from specviz.models import load_pair
+from specviz.models.loading import load_pair
 
 UNK, PAD, EOS = 0, 1, 2
 N_WORDS = 40
@@ -157,7 +157,7 @@ def seeded_rows_and_single_runs(pair, prompt: list[int], settings, seeds: list[i
     single runs with those seeds: the oracle for a shared prefill."""
     import dataclasses
 
-    from specviz.generator import decode, generate
+    from specviz.core.generator import decode, generate
 
     rows: list[list[int]] = [[] for _ in seeds]
     for round_events in decode(pair, [prompt] * len(seeds), settings, seeds=seeds):
@@ -170,7 +170,7 @@ def seeded_rows_and_single_runs(pair, prompt: list[int], settings, seeds: list[i
 def seeded_runs(pair, prompt: list[int], settings, n: int, chunk: int = 2000) -> list[list]:
     """The events of n runs of one prompt seeded 0..n-1, decoded as batches over one prefill (a
     batch row decodes what the single run with its seed decodes: tested above)."""
-    from specviz.generator import decode
+    from specviz.core.generator import decode
 
     runs: list[list] = []
     for start in range(0, n, chunk):

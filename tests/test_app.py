@@ -9,7 +9,7 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from specviz.events import load_runs
+from specviz.core.events import load_runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
 
@@ -129,7 +129,7 @@ def test_lookup_then_eagle_copies_where_the_answer_repeats_the_prompt(app_url):
 
 def test_a_preset_brings_its_first_run_settings():
     import app
-    from specviz.models import PRESETS
+    from specviz.models.loading import PRESETS
 
     offline = PRESETS["offline"]
     _, _, drafter, gamma, policy = app.preset_changed("offline")

@@ -3,7 +3,7 @@
 import pytest
 from conftest import ARCHS, EOS, words
 
-from specviz.generator import MAX_BATCH, Settings, generate, generate_batch
+from specviz.core.generator import MAX_BATCH, Settings, generate, generate_batch
 
 # different lengths (left padding), one that reaches <eos> early (leaves the batch), and
 # repeats for the lookup drafter to copy
@@ -59,8 +59,8 @@ def test_batch_limits(pattern_pair):
 
 
 def test_cli_batch_prints_each_row_and_the_ratio(pattern_dirs, tmp_path, capsys):
-    from specviz import cli
-    from specviz.events import load_runs
+    from specviz.core.events import load_runs
+    from specviz.tools import cli
 
     target, draft = pattern_dirs("gpt2")
     trace = tmp_path / "batch.json"

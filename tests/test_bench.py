@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specviz import cli
+from specviz.tools import cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
 
@@ -49,7 +49,7 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
 
 
 def test_a_sampled_setting_runs_once_per_seed_and_greedy_once(pattern_pair):
-    from specviz.bench import bench_pair, markdown_table
+    from specviz.tools.bench import bench_pair, markdown_table
 
     rows = bench_pair(pattern_pair("llama"), {"count": ["w1 w2 w3"]}, [2], [0.0, 1.0], 8, 1, with_hf=False,
                       progress=lambda m: None, drafters=("model",), policies=(), seeds=3)

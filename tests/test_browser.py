@@ -229,9 +229,9 @@ def test_a_runs_notebook_html_renders_in_chromium():
     """What Jupyter shows for a Run (its _repr_html_), drawn by chromium with plotly.js embedded."""
     from playwright.sync_api import sync_playwright
 
-    from specviz.generator import Settings, generate
-    from specviz.models import load_pair
-    from specviz.notebook import run_html
+    from specviz.core.generator import Settings, generate
+    from specviz.models.loading import load_pair
+    from specviz.view.notebook import run_html
 
     pair = load_pair(preset="offline")
     run = generate(pair, "The future of AI", Settings(drafter="eagle", gamma=2, temperature=1.0, max_new_tokens=24))

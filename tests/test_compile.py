@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import words
 
-from specviz.generator import Settings, generate, generate_batch
-from specviz.leanllama import LeanLlama
-from specviz.models import load_pair
+from specviz.core.generator import Settings, generate, generate_batch
+from specviz.models.leanllama import LeanLlama
+from specviz.models.loading import load_pair
 
 PROMPTS = [words(2, 3, 4), words(20, 21, 22, 23, 24, 25), words(35, 36)]
 
@@ -61,7 +61,7 @@ def test_without_a_cpp_compiler_it_runs_eager(pattern_dirs, monkeypatch, caplog)
 
 
 def test_other_architectures_run_eager_with_a_note(pattern_pair, caplog):
-    from specviz import kvcache
+    from specviz.core import kvcache
 
     kvcache._warn_once.cache_clear()  # said once per process: make this test see it
     with caplog.at_level(logging.WARNING, logger="specviz"):
@@ -101,7 +101,7 @@ def test_the_vector_instruction_verdict_is_probed_once_then_read_from_the_cache(
 
     from torch._inductor import config, cpp_builder, cpu_vec_isa
 
-    from specviz import leanllama
+    from specviz.models import leanllama
 
     probes = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probes.append(1) or "avx512")

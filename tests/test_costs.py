@@ -3,8 +3,8 @@ the note where nothing wins, and the measurement kept in the cache."""
 
 import pytest
 
-from specviz import costs
-from specviz.costs import Choice, Costs, describe, expected_speedup, note, rank
+from specviz.tools import costs
+from specviz.tools.costs import Choice, Costs, describe, expected_speedup, note, rank
 
 
 def made_costs(forward, draft, overhead=None) -> Costs:

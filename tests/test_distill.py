@@ -5,10 +5,10 @@ import json
 import pytest
 from conftest import words
 
-from specviz import cli
-from specviz.generator import Settings, generate
-from specviz.models import load_pair
-from specviz.prompts import BENCHMARK_PROMPTS, RINGS, TEMPLATES, TOPICS, training_prompts
+from specviz.core.generator import Settings, generate
+from specviz.models.loading import load_pair
+from specviz.tools import cli
+from specviz.tools.prompts import BENCHMARK_PROMPTS, RINGS, TEMPLATES, TOPICS, training_prompts
 
 
 def test_training_prompts_hold_out_the_benchmark():

@@ -8,11 +8,11 @@ import torch
 from conftest import ARCHS, seeded_runs, words
 from test_generator import exact_baseline_distribution, run_both
 
-from specviz.drafters import lookup_continuation
-from specviz.events import ACCEPTED, REJECTED, TARGET, DraftedToken, RoundEvent
-from specviz.generator import Settings, generate
-from specviz.sampling import SamplingParams
-from specviz.schedules import ExpectedSpeedupGamma, GrowShrinkGamma, make_policy
+from specviz.core.drafters import lookup_continuation
+from specviz.core.events import ACCEPTED, REJECTED, TARGET, DraftedToken, RoundEvent
+from specviz.core.generator import Settings, generate
+from specviz.core.sampling import SamplingParams
+from specviz.core.schedules import ExpectedSpeedupGamma, GrowShrinkGamma, make_policy
 
 
 def seq(*ids):

@@ -11,12 +11,13 @@ import torch
 from conftest import ARCHS, seeded_rows_and_single_runs, seeded_runs, word_id, words
 from test_generator import exact_baseline_distribution
 
-from specviz import charts, cli, distill
-from specviz.distill import DistillConfig, distill_eagle
-from specviz.eagle import EagleHead, HeadCache, HeadConfig
-from specviz.generator import Settings, generate, generate_batch
-from specviz.models import load_pair
-from specviz.sampling import SamplingParams
+from specviz.core.generator import Settings, generate, generate_batch
+from specviz.core.sampling import SamplingParams
+from specviz.models.eagle import EagleHead, HeadCache, HeadConfig
+from specviz.models.loading import load_pair
+from specviz.tools import cli, distill
+from specviz.tools.distill import DistillConfig, distill_eagle
+from specviz.view import charts
 
 DRAFT_VOCAB = 30  # of the 43 ids: the head can never draft the other 13 (reached through the residual)
 

@@ -6,10 +6,19 @@ import pytest
 import torch
 from conftest import ARCHS, EOS, seeded_runs, words
 
-from specviz.events import ACCEPTED, BONUS, CORRECTION, REJECTED, load_runs, runs_from_json, runs_to_json, save_runs
-from specviz.generator import Settings, generate
-from specviz.rendering import stats_html
-from specviz.sampling import SamplingParams, logits_to_probs
+from specviz.core.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTION,
+    REJECTED,
+    load_runs,
+    runs_from_json,
+    runs_to_json,
+    save_runs,
+)
+from specviz.core.generator import Settings, generate
+from specviz.core.sampling import SamplingParams, logits_to_probs
+from specviz.view.rendering import stats_html
 
 
 def run_both(pair, prompt_ids, settings):

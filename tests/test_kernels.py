@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import PAD, words
 
-from specviz import kernels
-from specviz.generator import Settings, generate
-from specviz.kvcache import KVState
-from specviz.leanllama import LeanLlama, Linear
+from specviz.core.generator import Settings, generate
+from specviz.core.kvcache import KVState
+from specviz.models import kernels
+from specviz.models.leanllama import LeanLlama, Linear
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +134,7 @@ def test_a_linear_on_another_device_never_asks_the_table():
 
 
 def test_auto_dtype_comes_from_the_measurement(fresh_tables):
-    from specviz.models import resolve_dtype
+    from specviz.models.loading import resolve_dtype
 
     for dtype, ms in ((torch.float32, 1.0), (torch.bfloat16, 3.0)):  # bf16 measured slower: float32
         t = kernels.table(dtype)
@@ -149,9 +149,9 @@ def test_auto_dtype_comes_from_the_measurement(fresh_tables):
 
 FORCED = """
 import sys, torch
-from specviz import kernels
-from specviz.models import load_pair
-from specviz.generator import Settings, generate
+from specviz.models import kernels
+from specviz.models.loading import load_pair
+from specviz.core.generator import Settings, generate
 pair = load_pair(sys.argv[1], sys.argv[2], device="cpu", dtype=sys.argv[3])
 ids = [5, 6, 7, 8, 5, 6]
 settings = Settings(gamma=3, max_new_tokens=10, drafter="model", record_top=0)

@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import ARCHS, PAD, words
 
-from specviz.generator import Settings, generate
-from specviz.kvcache import CACHE_KINDS, KVState
+from specviz.core.generator import Settings, generate
+from specviz.core.kvcache import CACHE_KINDS, KVState
 
 
 def fresh_logits(model, ids: list[int], vocab: int) -> torch.Tensor:
@@ -51,8 +51,8 @@ def test_rolled_back_state_equals_a_fresh_forward(pattern_pair, arch, kind):
 def test_a_drafter_may_ask_for_the_targets_hidden_states(pattern_pair, kind, monkeypatch):
     """A drafter with requires_hidden gets the verify pass's last hidden states: those of a fresh
     forward over the same tokens. One that does not ask makes the target compute none."""
-    from specviz import generator
-    from specviz.drafters import PromptLookupDrafter
+    from specviz.core import generator
+    from specviz.core.drafters import PromptLookupDrafter
 
     pair = pattern_pair("llama")
     seen = []

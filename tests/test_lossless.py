@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import seeded_rows_and_single_runs, words
 
-from specviz.generator import Settings
-from specviz.lossless import expected_tv, sample_check
+from specviz.core.generator import Settings
+from specviz.tools.lossless import expected_tv, sample_check
 
 
 def test_expected_tv_matches_a_simulation():
@@ -41,7 +41,7 @@ def test_rows_of_one_prompt_share_a_prefill_and_each_equals_its_single_run(rando
 
 
 def test_the_command_line_prints_the_sample_check(pattern_dirs, capsys):
-    from specviz.cli import main
+    from specviz.tools.cli import main
 
     target, draft = pattern_dirs("llama")
     code = main(["generate", "--target", str(target), "--draft", str(draft), "--drafter", "model", "--prompt", "w3 w4",

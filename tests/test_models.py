@@ -3,7 +3,7 @@
 import torch
 from conftest import VOCAB
 
-from specviz.models import OFFLINE_DRAFT, OFFLINE_TARGET, PRESETS, SHIPPED_DRAFT, resolve_device, resolve_dtype
+from specviz.models.loading import OFFLINE_DRAFT, OFFLINE_TARGET, PRESETS, SHIPPED_DRAFT, resolve_device, resolve_dtype
 
 
 def test_padded_logits_are_cut_to_the_shared_vocabulary(pattern_pair):
@@ -28,7 +28,7 @@ def test_presets_cover_the_brief():
 
 
 def test_device_and_dtype_resolution(monkeypatch):
-    from specviz import models
+    from specviz.models import loading as models
 
     cpu = torch.device("cpu")
     assert resolve_device("cpu") == cpu

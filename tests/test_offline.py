@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from specviz.events import load_runs
-from specviz.generator import Settings, generate
-from specviz.models import load_pair
+from specviz.core.events import load_runs
+from specviz.core.generator import Settings, generate
+from specviz.models.loading import load_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
 
@@ -55,7 +55,7 @@ def test_cli_compare_prints_tokens_rate_and_speedup(tmp_path):
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_offline_batch_rows_equal_single_runs(offline_fp32, drafter):
-    from specviz.generator import generate_batch
+    from specviz.core.generator import generate_batch
 
     prompts = PROMPTS + ["Correct the spelling: Teh cat sat on teh mat and lookd at the burds."]
     settings = Settings(gamma=3, drafter=drafter, max_new_tokens=16)
@@ -68,8 +68,8 @@ def test_offline_batch_rows_equal_single_runs(offline_fp32, drafter):
 @pytest.fixture(scope="module")
 def hf_greedy(offline_fp32):
     """Hugging Face `generate`, greedy, on every benchmark prompt: the reference text."""
-    from specviz.models import encode_prompt
-    from specviz.prompts import BENCHMARK_PROMPTS
+    from specviz.models.loading import encode_prompt
+    from specviz.tools.prompts import BENCHMARK_PROMPTS
 
     out = {}
     for prompt in [p for texts in BENCHMARK_PROMPTS.values() for p in texts]:

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import words
 
-from specviz.events import ExtraToken
-from specviz.generator import Settings, generate
-from specviz.stream import Finished
+from specviz.core.events import ExtraToken
+from specviz.core.generator import Settings, generate
+from specviz.tools.stream import Finished
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ def test_pip_install_into_a_fresh_venv_gives_a_working_specviz_command(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     help_text = subprocess.run([command, "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert help_text.returncode == 0 and "generate" in help_text.stdout and "distill" in help_text.stdout
-    where = subprocess.run([python, "-c", "import specviz.models as m; print(m.__file__); print(m.ASSETS)"],
+    where = subprocess.run([python, "-c", "import specviz.models.loading as m; print(m.__file__); print(m.ASSETS)"],
                            capture_output=True, text=True, env=env, cwd=tmp_path).stdout.split()
     assert all(path.startswith(fresh_site) for path in where), where  # the installed copy and its assets
     run = subprocess.run([command, "generate", "--prompt", "The future of AI", "--max-new-tokens", "6",
@@ -77,7 +77,7 @@ def test_pip_install_into_a_fresh_venv_gives_a_working_specviz_command(tmp_path)
 
 
 def test_a_missing_shipped_draft_says_where_it_looked(monkeypatch, tmp_path):
-    from specviz import models
+    from specviz.models import loading as models
 
     monkeypatch.setattr(models, "SHIPPED_DRAFT", tmp_path / "draft-smollm2-135m")
     with pytest.raises(RuntimeError, match="looked in .*assets/draft-smollm2-135m or .*assets/draft-smollm2-135m"):

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from specviz import charts
-from specviz.events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, TopToken
-from specviz.rendering import batch_html, diff_html, first_difference, run_text, stats_html, stream_html, summary
-from specviz.theory import cost_ratio, expected_tokens_per_round, speedup_bound
+from specviz.core.events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, TopToken
+from specviz.core.theory import cost_ratio, expected_tokens_per_round, speedup_bound
+from specviz.view import charts
+from specviz.view.rendering import batch_html, diff_html, first_difference, run_text, stats_html, stream_html, summary
 
 
 def make_run(mode="speculative", temperature=0.0) -> Run:

@@ -4,7 +4,7 @@ sampling, with the same warping applied to p and q."""
 import pytest
 import torch
 
-from specviz.sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution, sample
+from specviz.core.sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution, sample
 
 WARPS = [
     SamplingParams(1.0),

@@ -143,7 +143,7 @@ def test_public_batch_limits(public_url):
 def test_local_mode_custom_pair_with_mismatched_tokenizers(local_app, pattern_dirs, tmp_path):
     _, url = local_app
     target, _ = pattern_dirs("llama")
-    from specviz.models import OFFLINE_DRAFT, resolve_model_path
+    from specviz.models.loading import OFFLINE_DRAFT, resolve_model_path
 
     client = Client(url, verbose=False)
     status = status_of(client, args(preset="custom (enter ids below)", target=str(target),

@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 from conftest import words
 
-from specviz import charts
-from specviz.events import ExtraToken, RoundEvent, TopToken
-from specviz.generator import Settings, generate
-from specviz.rendering import tie_html
-from specviz.stages import ADD, DECIDE, DRAFT, VERIFY, how_it_works_html, round_stages, stage_html
+from specviz.core.events import ExtraToken, RoundEvent, TopToken
+from specviz.core.generator import Settings, generate
+from specviz.view import charts
+from specviz.view.rendering import tie_html
+from specviz.view.stages import ADD, DECIDE, DRAFT, VERIFY, how_it_works_html, round_stages, stage_html
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

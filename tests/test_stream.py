@@ -2,9 +2,9 @@
 
 import pytest
 
-from specviz.events import load_runs
-from specviz.generator import Settings, generate
-from specviz.stream import BatchRound, Finished, RoundDone, stream, stream_batch
+from specviz.core.events import load_runs
+from specviz.core.generator import Settings, generate
+from specviz.tools.stream import BatchRound, Finished, RoundDone, stream, stream_batch
 
 
 def test_stream_yields_rounds_then_the_baseline_then_the_finished_runs(pattern_pair, tmp_path):

@@ -5,9 +5,9 @@ from conftest import make_tokenizer, words
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specviz import cli
-from specviz.generator import MAX_GAMMA, MAX_NEW_TOKENS, Settings, generate
-from specviz.models import check_same_tokenizer, get_preset, load_pair, resolve_model_path
+from specviz.core.generator import MAX_GAMMA, MAX_NEW_TOKENS, Settings, generate
+from specviz.models.loading import check_same_tokenizer, get_preset, load_pair, resolve_model_path
+from specviz.tools import cli
 
 BAD_SETTINGS = [
     (dict(max_new_tokens=0), "max_new_tokens"),

@@ -31,11 +31,11 @@ from statistics import median
 
 import torch
 
-from . import kernels
-from .cachedir import cache_root
-from .generator import HEAD_DRAFTERS, Settings, compile_by_default, generate
-from .kvcache import KVState
-from .models import ModelPair, encode_prompt
+from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, generate
+from ..core.kvcache import KVState
+from ..models import kernels
+from ..models.cachedir import cache_root
+from ..models.loading import ModelPair, encode_prompt
 
 MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4
 CALIBRATION_PROMPT = "The future of AI"

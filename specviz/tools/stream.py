@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .events import RoundEvent, Run, save_trace
-from .generator import Settings, decode, encode_prompts, new_runs
-from .models import ModelPair
+from ..core.events import RoundEvent, Run, save_trace
+from ..core.generator import Settings, decode, encode_prompts, new_runs
+from ..models.loading import ModelPair
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Finished:
         return next((r for r in self.runs if r.meta.mode == "baseline"), None)
 
     def _repr_html_(self) -> str:  # a notebook draws the runs: compared, alone, or as a batch
-        from .notebook import runs_html
+        from ..view.notebook import runs_html
 
         return runs_html(self.runs)
 

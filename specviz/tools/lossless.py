@@ -13,37 +13,17 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from .generator import Settings, TokenTexts, decode, encode_prompts
-from .kvcache import KVState
-from .models import ModelPair
-from .sampling import logits_to_probs
+from ..core.events import Candidate, SampleCheck
+from ..core.generator import Settings, TokenTexts, decode, encode_prompts
+from ..core.kvcache import KVState
+from ..core.sampling import logits_to_probs
+from ..models.loading import ModelPair
 
 CHUNK = 256  # rows decoded at once: memory stays bounded at any N
-
-
-@dataclass
-class Candidate:
-    id: int
-    text: str
-    exact: float  # the target's probability
-    speculative: float  # share of the speculative draws
-    target_alone: float  # share of the target-alone draws
-
-
-@dataclass
-class SampleCheck:
-    n: int
-    top: list[Candidate]  # the likeliest tokens, then an "all others" entry (id -1)
-    tv_speculative: float  # total variation between the draws and the exact distribution
-    tv_target_alone: float
-    tv_noise: float  # what sampling noise alone gives, in expectation, at this n
-    speculative_s: float
-    target_alone_s: float
-    acceptance: float | None  # of the first draft, over the speculative draws
 
 
 @torch.inference_mode()

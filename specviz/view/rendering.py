@@ -6,7 +6,7 @@ import html
 import math
 from statistics import median
 
-from .events import BONUS, CORRECTION, REJECTED, RoundEvent, Run
+from ..core.events import BONUS, CORRECTION, REJECTED, RoundEvent, Run
 
 # ANSI SGR: green, red + strike-through, blue, magenta
 _ANSI = {"accepted": "32", REJECTED: "31;9", CORRECTION: "34", BONUS: "35"}
@@ -168,7 +168,7 @@ def stream_html(run: Run | None, show_rounds: bool = False, diff_at: int | None 
 
 
 def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
-    from .theory import cost_ratio
+    from ..core.theory import cost_ratio
 
     if spec is None:
         return ""
@@ -208,7 +208,7 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
 def slower_note(spec: Run, baseline: Run) -> str:
     """'' unless speculation ran slower than plain decoding; then why, from the run's own timings:
     what a verify pass and the drafting cost here in plain target steps, against the tokens a round gave."""
-    from .theory import target_step_ms
+    from ..core.theory import target_step_ms
 
     if not baseline.tokens_per_s or spec.tokens_per_s >= baseline.tokens_per_s or not spec.events:
         return ""

@@ -8,8 +8,8 @@ chart stays empty and the rest still shows (or call `run_html(run, plotlyjs=True
 
 from __future__ import annotations
 
+from ..core.events import Run
 from .charts import PlotlySpec, tokens_per_round
-from .events import Run
 from .rendering import CSS, batch_html, diff_html, stats_html, stream_html
 
 

@@ -27,7 +27,8 @@ from .leanllama import LeanLlama
 OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
 OFFLINE_DRAFT = "offline:SmolLM2-135M-draft"
 # assets/: beside the package in a source tree, inside it (specviz/assets) once installed
-ASSET_DIRS = (Path(__file__).resolve().parent / "assets", Path(__file__).resolve().parent.parent / "assets")
+PACKAGE = Path(__file__).resolve().parent.parent  # specviz/
+ASSET_DIRS = (PACKAGE / "assets", PACKAGE.parent / "assets")
 ASSETS = next((d for d in ASSET_DIRS if (d / "draft-smollm2-135m").is_dir()), ASSET_DIRS[-1])
 SHIPPED_DRAFT = ASSETS / "draft-smollm2-135m"
 OFFLINE_HEAD = "offline:SmolLM2-135M-eagle"

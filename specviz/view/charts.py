@@ -9,13 +9,10 @@ Every figure sets layout.uirevision, so a chart redrawn each round keeps the vie
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .events import DraftedToken, Run
-
-if TYPE_CHECKING:
-    from .lossless import SampleCheck
-from .theory import cost_ratio, speedup_bound
+from ..core.events import DraftedToken, Run, SampleCheck
+from ..core.theory import cost_ratio, speedup_bound
 
 COLOURS = {"accepted": "#1a9850", "rejected": "#d73027", "correction": "#2166ac", "bonus": "#8e44ad",
            "baseline": "#7f7f7f", "speculative": "#1a9850", "theory": "#f39c12", "eagle": "#17becf",

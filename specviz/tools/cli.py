@@ -9,8 +9,8 @@ import sys
 import time
 from dataclasses import replace
 
-from .events import save_runs
-from .generator import (
+from ..core.events import save_runs
+from ..core.generator import (
     DRAFTERS,
     HEAD_DRAFTERS,
     MAX_BATCH,
@@ -24,10 +24,10 @@ from .generator import (
     generate,
     validate_prompt,
 )
-from .kvcache import CACHE_KINDS
-from .models import PRESETS, Preset, encode_prompt, load_pair
-from .rendering import batch_summary, first_difference, legend, round_text, run_text, slower_note, summary
-from .schedules import POLICIES
+from ..core.kvcache import CACHE_KINDS
+from ..core.schedules import POLICIES
+from ..models.loading import PRESETS, Preset, encode_prompt, load_pair
+from ..view.rendering import batch_summary, first_difference, legend, round_text, run_text, slower_note, summary
 from .stream import Finished, RoundDone, stream
 
 
@@ -165,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _pair_line(pair, settings: Settings) -> str:
-    from .generator import machine_name
+    from ..core.generator import machine_name
 
     return (f"target {pair.target_name} <- draft {drafter_name(pair, settings.drafter)} ({pair.dtype}, {pair.device})"
             f"\nmachine: {machine_name(pair.device)}; dtype {str(pair.dtype).removeprefix('torch.')}: "
@@ -174,7 +174,7 @@ def _pair_line(pair, settings: Settings) -> str:
 
 def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings, colour: bool, out) -> int:
     """Decode the prompts as one batch; print each row's rounds, then the batch's throughput."""
-    from .generator import generate_batch
+    from ..core.generator import generate_batch
 
     print(f"{_pair_line(pair, settings)}, a batch of {len(prompts_ids)}", file=out)
     print(f"legend: {legend(colour)}\n", file=out)
@@ -255,7 +255,7 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
 def cmd_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from . import kernels
+    from ..models import kernels
     from .bench import step_table, step_times
 
     started = time.perf_counter()
@@ -300,7 +300,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 def _add_distill(sub: argparse._SubParsersAction) -> None:
     from .distill import DistillConfig
 
-    d = sub.add_parser("distill", help="distil a draft model or an EAGLE head from a target (see specviz/distill.py)")
+    d = sub.add_parser("distill", help="distil a draft model or an EAGLE head from a target (specviz/tools/distill.py)")
     d.add_argument("--kind", choices=["draft", "eagle"], default="draft",
                    help="draft: a small independent model (default); eagle: a head on the target's hidden states")
     d.add_argument("--target", required=True, help="hub id, local directory, or 'offline'")
@@ -320,8 +320,8 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
+    from ..models.loading import OFFLINE_TARGET
     from .distill import DistillConfig, distill, distill_eagle
-    from .models import OFFLINE_TARGET
 
     fields = {k: v for k, v in vars(args).items() if k in DistillConfig.__dataclass_fields__}
     fields["target"] = OFFLINE_TARGET if args.target == "offline" else args.target

@@ -212,7 +212,7 @@ class Run:
         return self.events[-1].finish_reason if self.events else None
 
     def _repr_html_(self) -> str:  # a notebook draws the run (notebook.py)
-        from .notebook import run_html
+        from ..view.notebook import run_html
 
         return run_html(self)
 
@@ -338,3 +338,27 @@ def save_trace(folder: str | Path, runs: list[Run], keep: int = 64) -> Path:
     for old in sorted(folder.glob("specviz-run-*.json"))[:-keep]:
         old.unlink(missing_ok=True)
     return path
+
+
+# --- the sample check's result (tools/lossless.py computes it, view/charts.py draws it) ---
+
+
+@dataclass
+class Candidate:
+    id: int
+    text: str
+    exact: float  # the target's probability
+    speculative: float  # share of the speculative draws
+    target_alone: float  # share of the target-alone draws
+
+
+@dataclass
+class SampleCheck:
+    n: int
+    top: list[Candidate]  # the likeliest tokens, then an "all others" entry (id -1)
+    tv_speculative: float  # total variation between the draws and the exact distribution
+    tv_target_alone: float
+    tv_noise: float  # what sampling noise alone gives, in expectation, at this n
+    speculative_s: float
+    target_alone_s: float
+    acceptance: float | None  # of the first draft, over the speculative draws

@@ -39,12 +39,27 @@ from transformers import PreTrainedModel
 
 from . import kernels
 from .cachedir import cache_root
-from .kvcache import slot_mask
 
 SUPPORTED = ("llama", "qwen3")
 WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to one of these (longer: eager)
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
 log = logging.getLogger("specviz")
+
+
+def slot_mask(real: torch.Tensor, start: int, kv_len: int) -> torch.Tensor:
+    """[B, 1, t, kv_len] bool, True = may attend, for queries in slots start..start+t-1.
+
+    real: [B, start + t], which slots hold tokens. A query sees real slots up to its own; a
+    hole's query also sees itself, so no row of the mask is empty (an empty row gives NaN that
+    would reach the cache).
+    """
+    batch, width = real.shape
+    cols = torch.arange(kv_len, device=real.device)
+    q_slot = torch.arange(start, width, device=real.device)[:, None]  # [t, 1]
+    padded = torch.zeros(batch, kv_len, dtype=torch.bool, device=real.device)
+    padded[:, :width] = real
+    mask = (cols <= q_slot)[None] & padded[:, None, :]  # [B, t, kv_len]
+    return (mask | (cols == q_slot)[None])[:, None]
 
 
 class Linear(nn.Module):

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from .eagle import EagleHead, HeadCache
+from ..models.eagle import EagleHead, HeadCache
 from .kvcache import KVState, left_padded
 from .sampling import SamplingParams, at_least_float32, logits_to_probs, sample
 

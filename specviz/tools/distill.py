@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .eagle import EagleHead, HeadConfig
-from .kvcache import KVState
-from .models import encode_prompt, eos_ids_of, head_shape, load_model, resolve_device, resolve_dtype
+from ..core.kvcache import KVState
+from ..models.eagle import EagleHead, HeadConfig
+from ..models.loading import encode_prompt, eos_ids_of, head_shape, load_model, resolve_device, resolve_dtype
 from .prompts import training_prompts
 
 Progress = Callable[[str], None]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
+from ..models.loading import ModelPair, encode_prompt
 from .drafters import (
     Drafter,
     DraftModelDrafter,
@@ -46,7 +47,6 @@ from .events import (
     TopToken,
 )
 from .kvcache import CACHE_KINDS, KVState
-from .models import ModelPair, encode_prompt
 from .sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution
 from .schedules import POLICIES, make_policy
 
@@ -186,7 +186,7 @@ def machine_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        from .kernels import describe_machine
+        from ..models.kernels import describe_machine
 
         return describe_machine()
     return str(device)

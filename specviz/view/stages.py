@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from .events import ACCEPTED, BONUS, CORRECTION, REJECTED, RoundEvent, RunMeta
+from ..core.events import ACCEPTED, BONUS, CORRECTION, REJECTED, RoundEvent, RunMeta
 
 DRAFT, VERIFY, DECIDE, ADD = "draft", "verify", "decide", "add"
 ADDED_NAME = {CORRECTION: "a correction", BONUS: "a bonus", "target": "the target's"}

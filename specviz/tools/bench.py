@@ -7,11 +7,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from statistics import median
 
-from . import charts
-from .events import Run
-from .generator import HEAD_DRAFTERS, Settings, make_meta, speculative_events
-from .models import ModelPair
-from .rendering import stats_html, stream_html
+from ..core.events import Run
+from ..core.generator import HEAD_DRAFTERS, Settings, make_meta, speculative_events
+from ..models.loading import ModelPair
+from ..view import charts
+from ..view.rendering import stats_html, stream_html
 
 
 def render_page(run: Run) -> int:
@@ -75,9 +75,9 @@ def step_times(pair: ModelPair, prompt_ids: list[int], caches: list[str], widths
     repeat runs at the same length; kinds and widths alternate within each repeat."""
     import torch
 
+    from ..core.kvcache import KVState
+    from ..models.leanllama import LeanLlama, Linear
     from .costs import timed_forward
-    from .kvcache import KVState
-    from .leanllama import LeanLlama, Linear
 
     def timed_matmuls(lean: LeanLlama):
         linears = [m for m in lean.modules() if isinstance(m, Linear)]
@@ -208,7 +208,7 @@ def _hf_counterpart(pair: ModelPair, prompt_ids: list[int], settings: Settings) 
 def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], bases: list[Run],
               hf_plain: list[tuple[float, list[int]]], hf: list[tuple[float, list[int]]]) -> BenchRow:
     """One setting against the baseline; repeat i of each list was timed in the same block."""
-    from .theory import cost_ratio, speedup_bound
+    from ..core.theory import cost_ratio, speedup_bound
 
     spec, base = _median_run(specs), _median_run(bases)
     tps = [r.tokens_per_s for r in specs]
@@ -255,8 +255,8 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     and their median reported. A temperature above 0 runs each prompt with seeds 0..seeds-1, a
     row each: two drafters decode different samples, and a median over a few prompts' single
     samples says more about those texts than about the drafters."""
-    from .generator import generate
-    from .models import encode_prompt
+    from ..core.generator import generate
+    from ..models.loading import encode_prompt
 
     sweep = {"model": gammas, "lookup": lookup_gammas or gammas, **dict.fromkeys(HEAD_DRAFTERS, eagle_gammas or gammas)}
     first = next(iter(prompts.values()))[0]
@@ -315,8 +315,8 @@ class BatchRow:
 def bench_batch(pair: ModelPair, prompts: list[str], drafter: str, gamma: int, max_new_tokens: int,
                 repeats: int, cache: str = "static", compile: bool = False) -> BatchRow:
     """Greedy: a batch of prompts against the same prompts run one after another, alternating."""
-    from .generator import generate, generate_batch
-    from .models import encode_prompt
+    from ..core.generator import generate, generate_batch
+    from ..models.loading import encode_prompt
 
     settings = Settings(gamma=gamma, drafter=drafter, max_new_tokens=max_new_tokens, record_top=0, cache=cache,
                         compile=compile)
@@ -448,7 +448,7 @@ def best_gamma(rows: list[BenchRow], drafter: str, temperature: float = 0.0) -> 
 def speedup_chart(rows: list[BenchRow]):
     """Speedup against γ (median over prompts, fixed γ) with Leviathan's bound, per temperature;
     HF assisted generation; both lookups; the EAGLE head alone and after lookup."""
-    from .charts import COLOURS, PlotlySpec
+    from ..view.charts import COLOURS, PlotlySpec
 
     traces = []
     for t in sorted({r.temperature for r in rows}):
@@ -485,7 +485,7 @@ def environment(pair: ModelPair) -> dict:
     import torch
     import transformers
 
-    from . import kernels
+    from ..models import kernels
 
     env = {"device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from ..models.leanllama import LeanLlama, slot_mask
 from .sampling import at_least_float32
 
 CACHE_KINDS = ("static", "dynamic", "none")
@@ -34,22 +35,6 @@ CACHE_KINDS = ("static", "dynamic", "none")
 class Forward:
     logits: torch.Tensor  # [B, t, V] at least float32, cut to the shared vocabulary
     hidden: torch.Tensor | None  # [B, t, H] last hidden state (after the final norm), when asked
-
-
-def slot_mask(real: torch.Tensor, start: int, kv_len: int) -> torch.Tensor:
-    """[B, 1, t, kv_len] bool, True = may attend, for queries in slots start..start+t-1.
-
-    real: [B, start + t], which slots hold tokens. A query sees real slots up to its own; a
-    hole's query also sees itself, so no row of the mask is empty (an empty row gives NaN that
-    would reach the cache).
-    """
-    batch, width = real.shape
-    cols = torch.arange(kv_len, device=real.device)
-    q_slot = torch.arange(start, width, device=real.device)[:, None]  # [t, 1]
-    padded = torch.zeros(batch, kv_len, dtype=torch.bool, device=real.device)
-    padded[:, :width] = real
-    mask = (cols <= q_slot)[None] & padded[:, None, :]  # [B, t, kv_len]
-    return (mask | (cols == q_slot)[None])[:, None]
 
 
 class Backend(Protocol):
@@ -159,8 +144,6 @@ class NoCacheBackend:
 
 
 def make_backend(model: PreTrainedModel, kind: str, capacity: int, compile: bool = False) -> Backend:
-    from .leanllama import LeanLlama
-
     lean = kind == "static" and LeanLlama.supports(model)
     if compile and not lean:
         _warn_once(f"specviz: --compile applies to the static cache of Llama-family models; "
