@@ -1,12 +1,21 @@
 """Losslessness made visible: the sample-N check against the exact distribution, the noise it
-is compared with, and the shared-prefill batches it draws with."""
+is compared with, and the shared-prefill batches it draws with; the exact check in closed form,
+and a broken rule it tells apart."""
 
 import pytest
 import torch
 from conftest import seeded_rows_and_single_runs, words
 
 from specviz.core.generator import Settings
-from specviz.tools.lossless import expected_tv, sample_check
+from specviz.core.sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution
+from specviz.tools.lossless import (
+    broken_emitted_distribution,
+    emitted_distribution,
+    exact_check,
+    expected_tv,
+    sample_check,
+    sample_check_live,
+)
 
 
 def test_expected_tv_matches_a_simulation():
@@ -50,3 +59,38 @@ def test_the_command_line_prints_the_sample_check(pattern_dirs, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "first token, 300 + 300 draws" in out and "sampling noise alone about" in out
     assert "'w5'" in out  # the counting language's likeliest next word heads the table
+    assert "Exact, in closed form" in out and "differs from the target's p by at most" in out
+
+
+def test_the_closed_form_is_the_implementations_rule_and_equals_p():
+    """emitted_distribution against the rule as accept_or_resample applies it, one draft at a time."""
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(0.8, top_k=5)
+    p = logits_to_probs(torch.randn(1, 9, generator=gen, dtype=torch.float64) * 2, params)
+    q = logits_to_probs(torch.randn(1, 9, generator=gen, dtype=torch.float64) * 2, params)
+    accept = torch.zeros(9, dtype=torch.float64)
+    for y in range(9):
+        if q[0, y] > 0:
+            accept[y] = accept_or_resample(torch.cat([p, p]), q, torch.tensor([y]), None).accept_probs[0]
+    by_rule = q[0] * accept + (q[0] * (1 - accept)).sum() * residual_distribution(p[0], q[0])
+    torch.testing.assert_close(emitted_distribution(p[0], q[0]), by_rule, atol=1e-15, rtol=0)
+    torch.testing.assert_close(emitted_distribution(p[0], q[0]), p[0], atol=1e-12, rtol=0)
+    assert (broken_emitted_distribution(p[0], q[0]) - p[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("drafter,draft_greedy", [("model", False), ("model", True), ("lookup", False)])
+def test_the_exact_check_of_a_real_round_matches_p_and_shows_a_broken_rule(random_pair, drafter, draft_greedy):
+    settings = Settings(gamma=2, temperature=1.0, top_p=0.9, drafter=drafter, draft_greedy=draft_greedy)
+    check = exact_check(random_pair, "w1 w2 w1", settings, chat_template=False)
+    assert check.drafted and check.max_diff < 1e-9
+    assert check.broken_max_diff > 1e3 * max(check.max_diff, 1e-15)
+    assert 0 <= check.first_draft_kept <= 1
+
+
+def test_a_stopped_sample_check_ends_between_rounds(random_pair):
+    settings = Settings(gamma=2, temperature=1.0)
+    live = sample_check_live(random_pair, "w1 w2", settings, n=600, chat_template=False)
+    assert next(live) == "speculative: 256 of 600 draws"  # one batched round of CHUNK rows
+    live.close()  # what Stop does to the app's handler: no more rounds are decoded
+    with pytest.raises(StopIteration):
+        next(live)

@@ -362,3 +362,14 @@ class SampleCheck:
     speculative_s: float
     target_alone_s: float
     acceptance: float | None  # of the first draft, over the speculative draws
+
+
+@dataclass
+class ExactCheck:
+    """The first emitted token's distribution under one round of the rule, in closed form, against p."""
+
+    drafted: bool  # the drafter proposed a first token (else the round is a plain target step: p itself)
+    max_diff: float  # max over the vocabulary of |emitted − p|, float64
+    broken_max_diff: float  # the same for a broken rule that resamples from p instead of the residual
+    first_draft_kept: float  # the chance the first draft is kept, sum over d of q(d) min(1, p(d)/q(d))
+    seconds: float

@@ -97,6 +97,11 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
 
 
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d) / q(d)), elementwise: the chance a token d drawn from q is kept."""
+    return (p / q.clamp_min(1e-30)).clamp_max(1.0)
+
+
 def accept_or_resample(
     p: torch.Tensor,
     q: torch.Tensor,
@@ -115,7 +120,7 @@ def accept_or_resample(
     positions = torch.arange(gamma, device=draft.device)
     p_d = p[positions, draft]  # [γ] p_i(d_i)
     q_d = q[positions, draft]  # [γ] q_i(d_i) > 0, since d_i was drawn from q_i
-    accept_probs = (p_d / q_d.clamp_min(1e-30)).clamp_max(1.0)
+    accept_probs = acceptance_probability(p_d, q_d)
     if greedy:
         kept = accept_probs >= 1.0
         u_all: list[float | None] = [None] * gamma

@@ -203,9 +203,11 @@ def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings
 
 
 def _sample_check(pair, prompt: str, settings: Settings, n: int, chat_template: bool, out) -> int:
-    from .lossless import sample_check
+    from ..view.rendering import exact_check_text
+    from .lossless import exact_check, sample_check
 
     print(_pair_line(pair, settings), file=out)
+    print(exact_check_text(exact_check(pair, prompt, settings, chat_template)), file=out)
     check = sample_check(pair, prompt, settings, n, chat_template=chat_template)
     print(f"first token, {n} + {n} draws in {check.speculative_s + check.target_alone_s:.1f} s "
           f"(speculative {check.speculative_s:.1f} s, target alone {check.target_alone_s:.1f} s)", file=out)

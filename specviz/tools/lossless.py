@@ -5,7 +5,13 @@ norm(max(0, p − q)), so the token it emits follows p exactly, whatever the dra
 shows it with draws: N rows of the same prompt decoded speculatively and N by the target alone
 (one batch each, sharing one prefill, every row with its own seed), their first generated tokens
 counted against the exact target distribution, with the total-variation distance of each and the
-distance sampling noise alone gives at that N.
+distance sampling noise alone gives at that N. Draws tell a correct rule from a subtly wrong one
+only at large N, so `exact_check` computes the same thing in closed form for one round of the
+viewer's own prompt and settings: with p the target's warped distribution of the first token and
+q the drafter's, the token emitted is d ~ q kept with min(1, p(d)/q(d)), else a draw from the
+residual, so P(x) = q(x) min(1, p(x)/q(x)) + (1 − Σ_d q(d) min(1, p(d)/q(d))) norm(max(0, p − q))(x),
+which is min(p, q)(x) + max(0, p − q)(x) = p(x). In float64 it matches p to rounding; a rule that
+resamples from p instead of the residual misses by a visible margin, shown beside it.
 """
 
 from __future__ import annotations
@@ -13,15 +19,18 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
 
-from ..core.events import Candidate, SampleCheck
-from ..core.generator import Settings, TokenTexts, decode, encode_prompts
+from ..core.events import Candidate, ExactCheck, Run, SampleCheck
+from ..core.generator import Settings, TokenTexts, decode, encode_prompts, make_drafter, pad_id
 from ..core.kvcache import KVState
-from ..core.sampling import logits_to_probs
+from ..core.sampling import SamplingParams, acceptance_probability, logits_to_probs, residual_distribution
 from ..models.loading import ModelPair
+from ..view.rendering import first_difference
+from .stream import Finished, RoundDone, stream
 
 CHUNK = 256  # rows decoded at once: memory stays bounded at any N
 
@@ -36,8 +45,9 @@ def exact_next_token(pair: ModelPair, prompt_ids: list[int], settings: Settings)
 
 
 def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: int,
-                 mode: str) -> tuple[list[int], int, int]:
-    """The first generated token of n rows (seeds settings.seed .. + n - 1); and, speculative,
+                 mode: str) -> Iterator[int]:
+    """Yields the rows drawn so far after each batched round (closing it stops between rounds);
+    returns the first generated token of n rows (seeds settings.seed .. + n - 1) and, speculative,
     how many rows tested a first draft and how many kept it."""
     # a budget of two tokens: the first round drafts one token, so the first token passes the rule
     settings = replace(settings, max_new_tokens=2, record_top=0)
@@ -52,6 +62,7 @@ def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: 
                     first[row] = event.new_tokens[0]
                     tested += bool(event.drafted) and event.drafted[0].status != "unverified"
                     kept += bool(event.drafted) and event.drafted[0].status == "accepted"
+            yield start + len(first)
         tokens += [first[row] for row in range(rows)]
     return tokens, tested, kept
 
@@ -81,22 +92,96 @@ def sample_check(pair: ModelPair, prompt: str, settings: Settings, n: int = 1000
                  chat_template: bool = True) -> SampleCheck:
     """Draw the first token n times with speculation (the settings' drafter, one draft) and n times
     from the target alone; compare both with the exact distribution. Needs temperature > 0."""
+    *_, check = sample_check_live(pair, prompt, settings, n, top, chat_template)
+    return check
+
+
+def sample_check_live(pair: ModelPair, prompt: str, settings: Settings, n: int = 1000, top: int = 10,
+                      chat_template: bool = True) -> Iterator[str | SampleCheck]:
+    """sample_check as it goes: a line of progress after each batched round, then the SampleCheck.
+    Closing it (a Stop) ends the work between rounds."""
     if settings.sampling.greedy:
         raise ValueError("the sampling check needs temperature > 0: a greedy run has one outcome")
     if not 1 <= n <= 100_000:
         raise ValueError(f"n must be in [1, 100000], got {n}")
     (ids,) = encode_prompts(pair, [prompt], settings, chat_template)
     p = exact_next_token(pair, ids, settings)
-    started = time.perf_counter()
-    spec, tested, kept = first_tokens(pair, ids, settings, n, "speculative")
-    middle = time.perf_counter()
-    alone, _, _ = first_tokens(pair, ids, settings, n, "baseline")
-    ended = time.perf_counter()
+    draws, seconds = {}, {}
+    for mode in ("speculative", "baseline"):
+        started, rounds = time.perf_counter(), first_tokens(pair, ids, settings, n, mode)
+        while mode not in draws:
+            try:
+                done = next(rounds)
+            except StopIteration as finished:
+                draws[mode] = finished.value
+            else:
+                yield f"{'speculative' if mode == 'speculative' else 'target alone'}: {done} of {n} draws"
+        seconds[mode] = time.perf_counter() - started
+    (spec, tested, kept), (alone, _, _) = draws["speculative"], draws["baseline"]
     spec_counts, alone_counts = Counter(spec), Counter(alone)
     text = TokenTexts(pair.tokenizer)
     likeliest = torch.topk(p, min(top, int((p > 0).sum()))).indices.tolist()
     candidates = [Candidate(t, text(t), float(p[t]), spec_counts[t] / n, alone_counts[t] / n) for t in likeliest]
     rest = [Candidate(-1, "(all others)", 1 - sum(c.exact for c in candidates),
                       1 - sum(c.speculative for c in candidates), 1 - sum(c.target_alone for c in candidates))]
-    return SampleCheck(n, candidates + rest, total_variation(spec_counts, p, n), total_variation(alone_counts, p, n),
-                       expected_tv(p, n), middle - started, ended - middle, kept / tested if tested else None)
+    yield SampleCheck(n, candidates + rest, total_variation(spec_counts, p, n), total_variation(alone_counts, p, n),
+                      expected_tv(p, n), seconds["speculative"], seconds["baseline"], kept / tested if tested else None)
+
+
+# --- the same, exactly: one round in closed form -------------------------------------------------
+
+
+def emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[V]: P(the round emits x) when d ~ q is kept with min(1, p(d)/q(d)), else x ~ norm(max(0, p − q))."""
+    kept = q * acceptance_probability(p, q)
+    return kept + (1 - kept.sum()) * residual_distribution(p, q)
+
+
+def broken_emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The same for a rule that, on a rejection, resamples from p instead of the residual."""
+    kept = q * acceptance_probability(p, q)
+    return kept + (1 - kept.sum()) * p
+
+
+@torch.inference_mode()
+def first_round_distributions(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor | None]:
+    """(p, q) [V] in float64 for the first token of a run: the target's warped distribution and the
+    drafter's for its first draft (None if it drafts nothing here), set up as `decode` sets it up."""
+    drafter = make_drafter(pair, settings, "speculative", len(prompt_ids) + 2)
+    state = KVState(pair.target, 1, settings.cache, pair.vocab_size, len(prompt_ids) + 2, False)
+    prefill = state.prefill([prompt_ids], pad_id(pair), hidden=drafter.requires_hidden)
+    drafter.start([prompt_ids], prefill.hidden)
+    params = SamplingParams(0.0) if settings.draft_greedy else settings.sampling
+    generator = torch.Generator(device=pair.device).manual_seed(settings.seed)
+    (proposal,) = drafter.propose([torch.tensor(prompt_ids, device=pair.device)], [1], params, [generator])
+    last = torch.tensor([prompt_ids[-1:]], device=pair.device)  # the verify pass's first position
+    logits = state.forward(last, torch.ones_like(last, dtype=torch.bool)).logits[0, -1]
+    p = logits_to_probs(logits.double(), settings.sampling)
+    return p, proposal.q[0].double() if proposal.tokens.numel() else None
+
+
+def exact_check(pair: ModelPair, prompt: str, settings: Settings, chat_template: bool = True) -> ExactCheck:
+    """One round of the rule for this prompt and these settings, in closed form (module docstring)."""
+    started = time.perf_counter()
+    (ids,) = encode_prompts(pair, [prompt], settings, chat_template)
+    p, q = first_round_distributions(pair, ids, settings)
+    if q is None:  # no draft: the round is one plain target step, which emits from p itself
+        return ExactCheck(False, 0.0, 0.0, 0.0, time.perf_counter() - started)
+    emitted, broken = emitted_distribution(p, q), broken_emitted_distribution(p, q)
+    return ExactCheck(True, float((emitted - p).abs().max()), float((broken - p).abs().max()),
+                      float((q * acceptance_probability(p, q)).sum()), time.perf_counter() - started)
+
+
+def float32_recheck(pair: ModelPair, spec: Run) -> Iterator[str | int | None]:
+    """A greedy run and its baseline decoded again with `pair` (float32) on the same prompt ids and
+    settings: a line of progress per round, then where the texts part (None: identical). Closing it
+    ends the work between rounds."""
+    if pair.target_name != spec.meta.target:
+        raise ValueError(f"the page's model pair is not the one this run used ({spec.meta.target})")
+    settings = Settings.of_run(spec.meta, record_top=0, compile=False)
+    for update in stream(pair, spec.meta.prompt, settings, compare=True, prompt_ids=spec.meta.prompt_ids):
+        if isinstance(update, RoundDone):
+            yield f"float32 {update.run.meta.mode}: {update.event.tokens_so_far} tokens"
+        elif isinstance(update, Finished):
+            yield first_difference(update.spec.token_ids, update.base.token_ids)

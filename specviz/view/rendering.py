@@ -6,7 +6,7 @@ import html
 import math
 from statistics import median
 
-from ..core.events import BONUS, CORRECTION, REJECTED, RoundEvent, Run
+from ..core.events import BONUS, CORRECTION, REJECTED, ExactCheck, RoundEvent, Run
 
 # ANSI SGR: green, red + strike-through, blue, magenta
 _ANSI = {"accepted": "32", REJECTED: "31;9", CORRECTION: "34", BONUS: "35"}
@@ -298,3 +298,15 @@ def error_html(message: str) -> str:
 
 def note_html(message: str) -> str:
     return f'<div class="sv-note">{html.escape(message)}</div>'
+
+
+def exact_check_text(check: ExactCheck) -> str:
+    """The closed-form check of one round in two sentences (the CLI's line, the page's note)."""
+    if not check.drafted:
+        return ("Exact, in closed form: the drafter proposes nothing for this prompt, so the first round is one "
+                "plain target step and emits from p itself.")
+    return (f"Exact, in closed form ({check.seconds:.2f} s): one round of the rule emits the first token with a "
+            f"distribution that differs from the target's p by at most {check.max_diff:.1e} over the whole "
+            f"vocabulary (float64 rounding; the first draft is kept with probability {check.first_draft_kept:.3f}). "
+            f"A rule that resampled from p instead of the residual max(0, p − q) would miss by "
+            f"{check.broken_max_diff:.1e}.")
