@@ -63,7 +63,7 @@ def test_page_shows_coloured_tokens_charts_and_hover(app_url):
         page.locator("#status :text('done')").wait_for(timeout=300_000)
 
         # the batch panel: one stream per prompt, each with its own acceptance
-        page.get_by_text("Batch: several prompts decoded together").click()
+        page.get_by_role("tab", name="Batch").click()
         batch_prompts = page.locator("#batch-prompts textarea")
         expect(batch_prompts).to_have_value(re.compile("---"))  # mounted with its example batch
         wanted = "The future of AI\n---\nHappy Birthday lyrics"
@@ -186,12 +186,21 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
             box.press("Enter")
 
         # greedy drafting under sampling: the stats say so, and the caches chart its rounds
+        page.get_by_text("More settings and example prompts").click()
         page.get_by_label("draft greedily").check()
         page.locator("#run-btn").click()
         page.locator("#status :text('done')").wait_for(timeout=300_000)
         assert "drafting greedily" in page.locator("#stats").inner_text()
         assert page.locator("#chart-cache .js-plotly-plot .bars").count() > 0
         assert "rolled back" in page.locator("#chart-cache").inner_text()
+
+        # the exact check: one round in closed form, beside what a broken rule would give
+        page.get_by_role("tab", name="Lossless, visible").click()
+        page.locator("#exact-btn").click()
+        page.wait_for_function("/closed form|Error/.test(document.querySelector('#exact-status').innerText)",
+                               timeout=120_000)
+        exact = page.locator("#exact-status").inner_text()
+        assert "differs from the target's p by at most" in exact and "would miss by" in exact, exact
 
         # sample N times: both histograms beside the exact distribution, and the distances
         samples = page.get_by_role("spinbutton", name="N", exact=True)
@@ -216,7 +225,7 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
         page.locator("#run-btn").click()
         page.locator("#status :text('done')").wait_for(timeout=300_000)
         page.locator("#fp32-btn").click()
-        page.wait_for_function("/float32/.test(document.querySelector('#fp32-status').innerText)",
+        page.wait_for_function("/Rerun just now|Error/.test(document.querySelector('#fp32-status').innerText)",
                                timeout=300_000)
         assert "Rerun just now in float32" in page.locator("#fp32-status").inner_text()
         browser.close()
@@ -245,4 +254,55 @@ def test_a_runs_notebook_html_renders_in_chromium():
         assert "acceptance rate" in page.locator(".sv-stats").inner_text()
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(NOTEBOOK_SHOT), full_page=True)
+        browser.close()
+
+
+STOP_TIMER = """() => {
+  const text = () => document.querySelector('#lossless-status').innerText;
+  window.svStopAt = performance.now(); window.svLast = text(); window.svChanged = null;
+  new MutationObserver(() => {
+    if (text() !== window.svLast) { window.svLast = text(); window.svChanged = performance.now() - window.svStopAt; }
+  }).observe(document.querySelector('#lossless-status'), {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
+    """At 1400x1000 after a run: the speculative stream and the speedup without scrolling. Stop during
+    Sample N: no more of its updates, and the next run gets the device at once."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(app_url, wait_until="domcontentloaded")
+        page.locator("#run-btn").wait_for(timeout=60_000)
+        page.locator("#run-btn").click()
+        page.locator("#status :text('Speedup')").wait_for(timeout=300_000)
+        assert page.evaluate("window.scrollY") == 0
+        for element in ("#status", "#spec-stream .sv-tok >> nth=0", "#base-stream .sv-tok >> nth=0"):
+            box = page.locator(element).bounding_box()
+            assert box and box["y"] + box["height"] <= 1000, (element, box)  # on the first screen
+        page.screenshot(path=str(SCREENSHOT.with_name("first-screen.png")))
+
+        page.get_by_role("tab", name="Lossless, visible").click()
+        samples = page.get_by_role("spinbutton", name="N", exact=True)
+        samples.fill("20000")
+        samples.press("Enter")
+        temperature = page.get_by_role("spinbutton", name="number input for temperature")
+        temperature.fill("1")
+        temperature.press("Enter")
+        page.locator("#sample-btn").click()
+        page.locator("#lossless-status :text('Sampling')").wait_for(timeout=120_000)
+        page.locator("#stop-btn").click()
+        page.evaluate(STOP_TIMER)
+        page.wait_for_timeout(4000)
+        late = page.evaluate("window.svChanged")
+        assert late is None or late < 2500, late  # at most the round under way reports after Stop
+        assert "draws in" not in page.locator("#lossless-status").inner_text()  # it never finished
+        started = page.evaluate("performance.now()")
+        page.locator("#run-btn").click()
+        page.locator("#status :text('Speedup')").wait_for(timeout=300_000)
+        print(f"\nStop during Sample N: last update {late} ms after Stop; the next run done "
+              f"{(page.evaluate('performance.now()') - started) / 1000:.1f} s after Run")
         browser.close()

@@ -191,8 +191,13 @@ def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_pa
 def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, cap):
     """`specviz kernels` on this CPU and capped to AVX2 (no AVX512): the machine's class, the
     table with a chosen path per row count, c(k); a second start reads the stored table."""
-    env = {**os.environ, "SPECVIZ_CACHE": os.environ.get("SPECVIZ_CACHE", str(Path.home() / ".cache" / "specviz")),
-           "PYTHONPATH": str(ROOT)}
+    from specviz.models.loading import offline_target_dir
+
+    # a cache folder of its own, with the converted model linked in: a test never re-times the table
+    # this machine's runs read (a retune under a loaded CPU would store its slow timings there)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "SmolLM2-135M-Instruct").symlink_to(offline_target_dir())
+    env = {**os.environ, "SPECVIZ_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
     if cap:
         env.update(ONEDNN_MAX_CPU_ISA=cap, ATEN_CPU_CAPABILITY=cap.lower())
     command = [sys.executable, "-m", "specviz", "kernels", "--dtype", "float32", "--repeats", "2"]

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specviz"
-LAYERS = ("models", "core", "view", "tools")  # bottom to top; the package root and app.py sit above all
+LAYERS = ("models", "core", "view", "tools", "ui")  # bottom to top; the package root and app.py sit above all
 # the one arrow allowed upward: Run._repr_html_ asks the view to draw it, at call time, the way
 # pandas' and Plotly's _repr_html_ call their formatting layers (the record never imports the view)
 LAZY_UPWARD = {("specviz.core.events", "specviz.view.notebook")}
@@ -80,3 +80,14 @@ def test_no_import_circle():
 
     for name in sorted(edges):
         visit(name)
+
+
+def test_the_app_is_thin_and_its_handlers_take_few_parameters():
+    """app.py lays out the page and wires it; the handlers (specviz/ui) read one Page, not 14 values."""
+    app_file = PACKAGE.parent / "app.py"
+    assert len(app_file.read_text(encoding="utf-8").splitlines()) <= 350
+    for file in (app_file, *sorted((PACKAGE / "ui").glob("*.py"))):
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef):
+                count = len(node.args.posonlyargs) + len(node.args.args) + len(node.args.kwonlyargs)
+                assert count <= 6, f"{file.name}: {node.name} takes {count} parameters"

@@ -182,6 +182,6 @@ def float32_recheck(pair: ModelPair, spec: Run) -> Iterator[str | int | None]:
     settings = Settings.of_run(spec.meta, record_top=0, compile=False)
     for update in stream(pair, spec.meta.prompt, settings, compare=True, prompt_ids=spec.meta.prompt_ids):
         if isinstance(update, RoundDone):
-            yield f"float32 {update.run.meta.mode}: {update.event.tokens_so_far} tokens"
+            yield f"{update.run.meta.mode}: {update.event.tokens_so_far} tokens"
         elif isinstance(update, Finished):
             yield first_difference(update.spec.token_ids, update.base.token_ids)

@@ -1,0 +1,347 @@
+"""The handlers behind the page's buttons, as plain (generator) functions of one `Page`. Each long
+one is a generator that yields between rounds, so Stop (closing it) ends the work there."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import gradio as gr
+
+from ..core.events import load_runs
+from ..models.loading import PRESETS, ModelPair
+from ..tools.lossless import exact_check, float32_recheck, sample_check_live
+from ..tools.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
+from ..view import charts
+from ..view.rendering import (
+    batch_html,
+    error_html,
+    exact_check_text,
+    note_html,
+    race_html,
+    speedup_line,
+    stream_html,
+)
+from . import stepping
+from .page import (
+    BATCH_SEPARATOR,
+    CUSTOM,
+    MAX_BATCH_UI,
+    MAX_SAMPLES_UI,
+    SERVED,
+    TIME_LIMIT_S,
+    TRACE_DIR,
+    Page,
+    _int,
+    check_request,
+    first_run_values,
+    split_batch,
+)
+from .stepping import Stepper
+from .view import View, greedy_diff, split_runs
+
+try:  # ZeroGPU on Hugging Face Spaces: borrow a GPU per request; elsewhere a no-op
+    import spaces
+
+    on_gpu = spaces.GPU(duration=120)
+except ImportError:
+
+    def on_gpu(fn):
+        return fn
+
+
+FAILURES = (ValueError, OSError, RuntimeError)  # what a request can do wrong: shown in the page, never raised
+
+
+def open_stream(page: Page, settings) -> tuple[ModelPair, Iterator[Update]]:
+    """The pair and its stream, the request checked against the pair before anything is shown."""
+    check_request(page.prompt, settings)
+    pair = page.pair()
+    updates = stream(pair, page.prompt, settings, compare=bool(page.compare), time_limit_s=TIME_LIMIT_S,
+                     trace_dir=TRACE_DIR)
+    first = next(updates)
+    return pair, _chained(first, updates)
+
+
+def _chained(first: Update, rest: Iterator[Update]) -> Iterator[Update]:
+    """The first update again, then the rest; closing it closes the stream (itertools.chain cannot)."""
+    yield first
+    yield from rest
+
+
+def draft_note(pair: ModelPair, settings) -> str:
+    return f"Draft note: {pair.draft_note}. " if pair.draft_note and settings.drafter == "model" else ""
+
+
+def follow(view: View, updates: Iterator[Update], note: str):
+    """The page once per speculative round (every 8 baseline tokens) until the runs finish."""
+    for update in updates:
+        if isinstance(update, RoundDone):
+            event, speculative = update.event, update.run.meta.mode == "speculative"
+            if speculative:
+                SERVED["rounds"] += 1
+                view.spec = update.run
+            else:
+                view.base = update.run
+            if speculative or event.index % 8 == 0 or event.finish_reason:  # the baseline: every 8 tokens
+                what = f"round {event.index + 1}, " if speculative else ""
+                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens")
+                yield view.outputs(final=False)
+        elif isinstance(update, Finished):
+            stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
+            view.spec, view.base = update.spec, update.base
+            view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.{speedup_line(view.spec, view.base)}"
+                                    f"{stopped}")
+            yield view.outputs(download=str(update.trace), race=race_html(view.spec, view.base) if view.base else "")
+
+
+@on_gpu
+def run(page: Page, request=None):
+    """Speculative decoding (then the baseline, if asked): the page once per round."""
+    view = View(show_rounds=bool(page.show_rounds))
+    stepping.drop(request)  # a plain run ends any stepping
+    try:
+        settings = page.settings()
+        check_request(page.prompt, settings)
+        view.status = note_html("loading models…")
+        yield view.outputs(final=False)
+        pair, updates = open_stream(page, settings)
+    except FAILURES as err:
+        view.status = error_html(f"Error: {err}")
+        yield view.outputs()
+        return
+    SERVED["runs"] += 1
+    yield from follow(view, updates, draft_note(pair, settings))
+
+
+# --- step mode -----------------------------------------------------------------------------------
+
+
+@on_gpu
+def step(page: Page, request=None, within_round: bool = False):
+    """The next round, at its first stage; with nothing to step through, a new run with the page's settings
+    (or, after a replay, the trace from its first round). within_round (Next ▸): the shown round's next
+    stage first, while it has one."""
+    stepper = stepping.current(request)
+    if within_round and stepper is not None and stepper.shown and stepper.stage + 1 < stepper.stages():
+        stepper.stage += 1
+        return stepper.view(bool(page.show_rounds)).stage_outputs()
+    if stepper is None or not stepper.more():
+        if stepper is not None and stepper.replay:
+            stepper.shown = 0
+        else:
+            try:
+                settings = page.settings()
+                pair, updates = open_stream(page, settings)
+            except FAILURES as err:
+                return View(status=error_html(f"Error: {err}")).outputs()
+            first = next(updates)
+            SERVED["runs"] += 1
+            stepper = Stepper(spec=first.run, updates=_chained(first, updates), note=draft_note(pair, settings))
+            stepping.keep(request, stepper)
+    stepper.next_round()
+    return _stepper_outputs(stepper, page.show_rounds)
+
+
+def next_stage(page: Page, request=None):
+    return step(page, request, within_round=True)
+
+
+def _stepper_outputs(stepper: Stepper, show_rounds):
+    view = stepper.view(bool(show_rounds))
+    done = not stepper.more()
+    race = race_html(view.spec, view.base) if done and view.base else ""
+    return view.outputs(download=stepper.trace if done else None, race=race, final=done or stepper.shown == 1)
+
+
+def previous_stage(show_rounds, request: gr.Request = None):
+    """One stage back, into the previous round's last stage from a round's first."""
+    stepper = stepping.current(request)
+    if stepper is None or not stepper.shown:
+        return View(status=note_html("Nothing to step back through: press Step.")).stage_outputs()
+    if stepper.stage > 0:
+        stepper.stage -= 1
+        return stepper.view(bool(show_rounds)).stage_outputs()
+    if stepper.shown > 1:
+        stepper.shown -= 1
+        stepper.stage = stepper.stages() - 1
+    return _stepper_outputs(stepper, show_rounds)
+
+
+@on_gpu
+def continue_run(show_rounds, request: gr.Request = None):
+    """Run (or show) the stepped run to its end, round by round as Run does."""
+    stepper = stepping.current(request)
+    if stepper is None or not stepper.more():
+        yield View(status=note_html("Nothing to continue: press Run, or Step to go round by round.")).outputs()
+        return
+    view = View(spec=stepper.spec, base=stepper.base, show_rounds=bool(show_rounds))
+    if stepper.updates is not None:  # Stop cancels between rounds and leaves the rest to step through
+        for outputs in follow(view, stepper.updates, stepper.note):
+            stepper.spec, stepper.base = view.spec, view.base
+            yield outputs
+        stepper.updates = None
+    else:
+        view.status = note_html("replayed to the end")
+        yield view.outputs(race=race_html(view.spec, view.base) if view.base else "")
+    stepper.shown, stepper.stage = len(stepper.spec.events), stepper.stages() - 1
+
+
+# --- lossless, visible ---------------------------------------------------------------------------
+
+
+@on_gpu
+def check_float32(runs, preset, custom_target, custom_draft):
+    """Run the shown greedy pair of runs again in float32: do the texts then agree token for token?"""
+    spec, base = split_runs(runs)
+    if spec is None or base is None or not spec.meta.sampling.greedy:
+        yield note_html("The float32 check reruns a greedy run and its baseline: run with temperature 0 and "
+                        "'compare with baseline' first.")
+        return
+    try:
+        page = Page(preset=preset, custom_target=custom_target, custom_draft=custom_draft)
+        for said in float32_recheck(page.pair(dtype="float32"), spec):
+            if isinstance(said, str):
+                yield note_html(f"Rerunning in float32… {said}")
+            else:
+                at = said
+    except FAILURES as err:
+        yield error_html(f"Error: {err}")
+        return
+    shown = greedy_diff(spec, base)
+    before = (f"In {spec.meta.dtype} (the runs above) they "
+              + ("are identical." if shown is None else f"part at generated token {shown + 1}."))
+    after = (f"identical, token for token ({spec.n_tokens} tokens)" if at is None
+             else f"part at generated token {at + 1}")
+    yield note_html(f"{before} Rerun just now in float32, same prompt ids and settings: speculative and "
+                    f"baseline texts are {after}.")
+
+
+@on_gpu
+def sample_n(page: Page):
+    """The first token drawn N times with speculation and N times from the target alone."""
+    try:
+        n = _int(page.samples, "N")
+        if not 1 <= n <= MAX_SAMPLES_UI:
+            raise ValueError(f"N must be in [1, {MAX_SAMPLES_UI}] here, got {n}")
+        settings = page.settings(gamma_policy="fixed", max_new_tokens=2)
+        check_request(page.prompt, settings)
+        for said in sample_check_live(page.pair(), page.prompt, settings, n):
+            if isinstance(said, str):
+                yield note_html(f"Sampling… {said} (Stop ends it)"), gr.skip()
+            else:
+                check = said
+    except FAILURES as err:
+        yield error_html(f"Error: {err}"), charts.sample_histogram(None)
+        return
+    SERVED["runs"] += 1
+    kept = "" if check.acceptance is None else f" The first draft was kept in {check.acceptance:.1%} of the draws."
+    verdict = ("within sampling noise" if check.tv_speculative <= 1.5 * check.tv_noise + 0.01 else
+               "further from it than sampling noise explains")
+    yield (note_html(f"{n} + {n} draws in {check.speculative_s + check.target_alone_s:.1f} s. Total variation "
+                     f"to the exact distribution: speculative {check.tv_speculative:.4f}, target alone "
+                     f"{check.tv_target_alone:.4f}; sampling noise alone gives about {check.tv_noise:.4f} at "
+                     f"N = {n}: the speculative draws are {verdict}.{kept}"),
+           charts.sample_histogram(check))
+
+
+@on_gpu
+def exact(page: Page):
+    """One round of the rule for the page's prompt and settings, in closed form, against p."""
+    try:
+        settings = page.settings(max_new_tokens=2)
+        check_request(page.prompt, settings)
+        return note_html(exact_check_text(exact_check(page.pair(), page.prompt, settings)))
+    except FAILURES as err:
+        return error_html(f"Error: {err}")
+
+
+# --- batch, replay, and the views of a shown run -------------------------------------------------
+
+
+@on_gpu
+def run_batch(page: Page):
+    """Several prompts decoded as one batch: (status, streams, download) once per round."""
+    try:
+        prompts = split_batch(page.batch_prompts if isinstance(page.batch_prompts, str) else "")
+        if not prompts:
+            raise ValueError(f"no prompts: write one or more, separated by lines holding only {BATCH_SEPARATOR}")
+        if len(prompts) > MAX_BATCH_UI:
+            raise ValueError(f"{len(prompts)} prompts; this server decodes at most {MAX_BATCH_UI} at once")
+        settings = page.settings(draft_greedy=False)
+        for prompt in prompts:
+            check_request(prompt, settings)
+        yield note_html("loading models…"), "", gr.skip()
+        updates = stream_batch(page.pair(), prompts, settings, time_limit_s=TIME_LIMIT_S, trace_dir=TRACE_DIR)
+        first = next(updates)
+    except FAILURES as err:
+        yield error_html(f"Error: {err}"), "", gr.skip()
+        return
+    SERVED["runs"] += 1
+    for update in _chained(first, updates):
+        if isinstance(update, BatchRound):
+            SERVED["rounds"] += 1
+            status = note_html(f"batch of {len(update.runs)}: round {update.index + 1}")
+            yield status, batch_html(update.runs), gr.skip()
+        elif isinstance(update, Finished):
+            runs = update.runs
+            tokens = sum(r.n_tokens for r in runs)
+            seconds = max(r.decode_ms for r in runs) / 1000
+            stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
+            yield (note_html(f"done: a batch of {len(runs)}, {tokens} tokens in {seconds:.2f} s "
+                             f"({tokens / seconds:.1f} tokens/s over all rows).{stopped}"), batch_html(runs),
+                   str(update.trace))
+
+
+def replay(file, show_rounds, request: gr.Request = None):
+    """Show a saved trace without loading any model; Step then walks through it from its first round."""
+    if file is None:
+        return View(status=note_html("no file")).outputs()
+    try:
+        runs = load_runs(file if isinstance(file, str) else file.name)
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        return View(status=error_html(f"Error: {err}")).outputs()
+    spec, base = split_runs(runs)
+    if spec is not None and spec.events:
+        stepping.keep(request, Stepper(spec=spec, base=base, shown=len(spec.events), replay=True))
+    view = View(status=note_html(f"replaying a trace of {spec.meta.target if spec else '?'}; Step walks through "
+                                 "it round by round"), spec=spec, base=base, show_rounds=bool(show_rounds))
+    return view.outputs(race=race_html(spec, base) if spec and base else "")
+
+
+def rerender(runs, show_rounds):
+    spec, base = split_runs(runs)
+    diff_at = greedy_diff(spec, base)
+    return stream_html(spec, show_rounds, diff_at), stream_html(base, show_rounds, diff_at) if base else ""
+
+
+def inspect_token(runs, choice):
+    spec, _ = split_runs(runs)
+    if spec is None or not choice:
+        return charts.token_inspector(None)
+    round_index, position = (int(x) for x in choice.split(":"))
+    token = spec.events[round_index].drafted[position]
+    return charts.token_inspector(token, f"round {round_index + 1}, position {position + 1}:")
+
+
+def race(runs):
+    spec, base = split_runs(runs)
+    if not (spec and base):
+        return note_html("The race needs a run with 'compare with baseline'.")
+    # a fresh comment makes the HTML differ, so the browser re-creates it and the animation restarts
+    return race_html(spec, base) + f"<!-- {time.monotonic()} -->"
+
+
+def page_opened():
+    drafter, gamma, note = first_run_values("offline")
+    return gr.update(value=drafter), gr.update(value=gamma), note
+
+
+def preset_changed(preset):
+    """Custom boxes shown for a custom pair; a preset's first-run settings (drafter, γ, policy)."""
+    boxes = [gr.update(visible=preset == CUSTOM)] * 2
+    if preset not in PRESETS:
+        return [*boxes, gr.skip(), gr.skip(), gr.skip()]
+    drafter, gamma, _ = first_run_values(preset)
+    return [*boxes, gr.update(value=drafter), gr.update(value=gamma),
+            gr.update(value=PRESETS[preset].gamma_policy)]

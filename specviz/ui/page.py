@@ -1,0 +1,195 @@
+"""What the page offers and accepts: examples, choices, this server's limits, the pairs it keeps
+loaded, and `Page`, the page's settings read into one object in one place."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..core.generator import MAX_GAMMA, Settings
+from ..core.generator import validate_prompt as check_prompt
+from ..models.loading import PRESETS, ModelPair, load_pair
+from ..tools.costs import Choice, Costs, describe, first_run
+from ..view.rendering import note_html
+
+CUSTOM = "custom (enter ids below)"
+EXAMPLES = [
+    "The future of AI",
+    "Robot learning emotions",
+    "Happy Birthday lyrics",
+    "Rewrite this function to use a list comprehension:\n\ndef squares(n):\n    out = []\n    for i in range(n):\n"
+    "        out.append(i * i)\n    return out",
+]
+# Edits copy most of their input: where prompt lookup drafts long runs that the target accepts.
+EDIT_EXAMPLES = [
+    "Correct the spelling in this note: Dear Sam, thank you for the lovley flowers. They brighten up the "
+    "kitchen and remind me of our trip to the contryside last sumer.",
+    "Add a docstring to this function:\n\ndef clamp(value, low, high):\n    if value < low:\n        return low\n"
+    "    if value > high:\n        return high\n    return value",
+    "Change this code to print the result instead of returning it:\n\ndef greet(name):\n    message = "
+    "'Hello, ' + name + '!'\n    return message",
+    "Replace 'car' with 'bicycle' in this text: My car is parked outside. I bought the car last year, and the car "
+    "has been very reliable.",
+]
+DRAFTER_CHOICES = [("draft model", "model"), ("prompt lookup (copies from the prompt, no model)", "lookup"),
+                   ("EAGLE head (reads the target's hidden states)", "eagle"),
+                   ("prompt lookup where the text repeats, EAGLE head elsewhere", "lookup+eagle")]
+POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on a rejection)", "grow-shrink"),
+                  ("expected speedup (from measured α and costs)", "expected")]
+CACHE_CHOICES = [("static (pre-allocated; rollback moves a length)", "static"),
+                 ("dynamic (transformers' DynamicCache)", "dynamic"), ("none (recompute everything)", "none")]
+QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", "16"))
+# Public mode (on in the Docker image): presets only, and caps on what one request may ask for.
+PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", "no")
+MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
+MAX_TOKENS_UI = 256 if PUBLIC else 512
+MAX_GAMMA_UI = 8 if PUBLIC else MAX_GAMMA
+GAMMA_MAX_ADAPTIVE = min(16, MAX_GAMMA_UI)  # the cap an adaptive policy grows to
+MAX_BATCH_UI = 4 if PUBLIC else 8
+MAX_SAMPLES_UI = 2000 if PUBLIC else 20_000
+BATCH_SEPARATOR = "---"
+TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
+FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
+TRACE_DIR = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
+SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
+log = logging.getLogger("specviz")
+
+
+@dataclass
+class Page:
+    """The page's controls, as a handler reads them (names are the components' keys in app.py)."""
+
+    prompt: Any = ""
+    preset: Any = "offline"
+    custom_target: Any = ""
+    custom_draft: Any = ""
+    gamma: Any = 2
+    temperature: Any = 0.0
+    top_k: Any = 0
+    top_p: Any = 1.0
+    seed: Any = 0
+    max_new_tokens: Any = 64
+    compare: Any = True
+    show_rounds: Any = False
+    drafter: Any = "model"
+    gamma_policy: Any = "fixed"
+    cache: Any = "static"
+    compiled: Any = False
+    draft_greedy: Any = False
+    samples: Any = 1000
+    batch_prompts: Any = ""
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> Page:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def settings(self, **changes) -> Settings:
+        """Settings from the controls; ValueError naming the control that is off."""
+        gamma = _int(changes.pop("gamma", self.gamma), "gamma")
+        values = dict(gamma=gamma, gamma_policy=str(self.gamma_policy), gamma_max=max(gamma, GAMMA_MAX_ADAPTIVE),
+                      drafter=str(self.drafter), temperature=_float(self.temperature, "temperature"),
+                      top_k=_int(self.top_k, "top_k"), top_p=_float(self.top_p, "top_p"), seed=_int(self.seed, "seed"),
+                      max_new_tokens=_int(self.max_new_tokens, "max_new_tokens"), cache=str(self.cache),
+                      compile=bool(self.compiled), draft_greedy=bool(self.draft_greedy))
+        return Settings(**{**values, **changes})
+
+    def pair(self, dtype: str = "auto") -> ModelPair:
+        return get_pair(self.preset, self.custom_target or "", self.custom_draft or "", dtype)
+
+
+def check_request(prompt: str, settings: Settings) -> None:
+    """What this server accepts, beyond what the library does (ValueError otherwise)."""
+    settings.validate()
+    if not isinstance(prompt, str):
+        raise ValueError("the prompt must be text")
+    check_prompt(prompt)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt has {len(prompt)} characters; this server takes at most {MAX_PROMPT_CHARS}")
+    if settings.max_new_tokens > MAX_TOKENS_UI:
+        raise ValueError(f"max_new_tokens must be at most {MAX_TOKENS_UI} here, got {settings.max_new_tokens}")
+    if settings.gamma > MAX_GAMMA_UI:
+        raise ValueError(f"gamma must be at most {MAX_GAMMA_UI} here, got {settings.gamma}")
+
+
+def split_batch(text: str) -> list[str]:
+    """Prompts separated by lines holding only '---' (a prompt may span lines)."""
+    prompts, lines = [], []
+    for line in (text or "").splitlines() + [BATCH_SEPARATOR]:
+        if line.strip() == BATCH_SEPARATOR:
+            if "\n".join(lines).strip():
+                prompts.append("\n".join(lines).strip())
+            lines = []
+        else:
+            lines.append(line)
+    return prompts
+
+
+def _int(value, name: str) -> int:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not number.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(number)
+
+
+def _float(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+# --- the pairs this server keeps loaded, and their first-run settings ---------------------------
+_pairs: dict[tuple[str, str, str], ModelPair] = {}
+_pairs_lock = threading.Lock()
+
+
+def get_pair(preset: str, custom_target: str, custom_draft: str, dtype: str = "auto") -> ModelPair:
+    """Load a pair once and keep it: the default preset, plus the last other pair (or dtype) asked for."""
+    if preset == CUSTOM and PUBLIC:
+        raise ValueError("custom models are turned off on this public server; pick a preset")
+    if preset == CUSTOM:
+        if not custom_target.strip() or not custom_draft.strip():
+            raise ValueError("a custom pair needs both a target id and a draft id")
+        key, kwargs = (custom_target.strip(), custom_draft.strip(), dtype), {"dtype": dtype}
+    else:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        key, kwargs = (PRESETS[preset].target, PRESETS[preset].draft, dtype), {"preset": preset, "dtype": dtype}
+    with _pairs_lock:
+        if key not in _pairs:
+            kwargs["progress"] = log.info  # converting, measuring kernels: on the server's console
+            pair = load_pair(*key[:2], **kwargs) if preset == CUSTOM else load_pair(**kwargs)
+            for old in [k for k in _pairs if k != (PRESETS["offline"].target, PRESETS["offline"].draft, "auto")]:
+                del _pairs[old]  # keep memory bounded: one non-default pair at a time
+            _pairs[key] = pair
+        return _pairs[key]
+
+
+_MACHINE_CHOICES: dict[str, tuple[Choice, Costs]] = {}  # preset -> its drafter and γ measured best here
+
+
+def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
+    """The preset's drafter and γ with the best expected speedup on this machine (measured once, then
+    read from the cache; tools/costs.py), or None for a preset without measured tokens per round."""
+    if preset not in _MACHINE_CHOICES and PRESETS[preset].tokens_per_round:
+        choice, costs = first_run(get_pair(preset, "", ""), PRESETS[preset].taus(), progress=log.info)
+        if choice:
+            _MACHINE_CHOICES[preset] = choice, costs
+    return _MACHINE_CHOICES.get(preset)
+
+
+def first_run_values(preset: str) -> tuple[str, int, str]:
+    """(drafter, γ, a note) for a first run of this preset: measured here if already known, else the preset's."""
+    known = _MACHINE_CHOICES.get(preset)
+    if known:
+        return known[0].drafter, known[0].gamma, note_html(describe(*known))
+    return PRESETS[preset].drafter, PRESETS[preset].gamma, ""

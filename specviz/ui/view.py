@@ -1,0 +1,93 @@
+"""Runs as the page's components: one `View` per shown pair of runs, its outputs in OUTPUT_NAMES order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gradio as gr
+
+from ..core.events import Run
+from ..view import charts
+from ..view.rendering import diff_html, first_difference, stats_html, stream_html
+from ..view.stages import how_it_works_html, round_stages, stage_html
+
+# what a run's handlers fill, in order (app.py maps each name to its component)
+OUTPUT_NAMES = ("status", "spec_html", "base_html", "diff_box", "stats", "fig_rounds", "fig_time", "fig_position",
+                "fig_speedup", "fig_cache", "runs_state", "token_pick", "download", "race_box", "round_box", "how_box")
+STEP_HINT = ('<div class="sv-note">Step runs one round and pauses on it; Next ▸ (or the key <b>n</b>) shows '
+             "its stages one by one: each draft with q, the verify pass with p, each decision, the added "
+             "token. Continue runs to the end.</div>")
+
+
+@dataclass
+class View:
+    """Everything the page shows for a pair of runs."""
+
+    status: str = ""
+    spec: Run | None = None
+    base: Run | None = None
+    show_rounds: bool = False
+    stage: int | None = None  # the stage the last round is shown at (None: all of it)
+
+    def round_view(self) -> tuple[str, str]:
+        """The last round shown, stage by stage, and the five steps with its numbers."""
+        if self.spec is None or not self.spec.events:
+            return STEP_HINT, ""
+        event = self.spec.events[-1]
+        stage = len(round_stages(event, self.spec.meta)) - 1 if self.stage is None else self.stage
+        return stage_html(event, self.spec.meta, stage), how_it_works_html(event, self.spec.meta, stage)
+
+    def outputs(self, download: str | None = None, race: str = "", final: bool = True) -> tuple:
+        """The page; between rounds (final=False) the inspector and the download stay as they are."""
+        diff_at = greedy_diff(self.spec, self.base)
+        runs = [r for r in (self.spec, self.base) if r is not None]
+        picker = gr.skip()
+        if final:  # the inspector's list only changes when a run ends, not every round
+            choices = token_choices(self.spec)
+            # open the inspector on the first rejection, where there is most to see
+            first_rejected = next((value for label, value in choices if "(rejected)" in label), None)
+            picker = gr.update(choices=choices, value=first_rejected)
+        return (
+            self.status,
+            stream_html(self.spec, self.show_rounds, diff_at),
+            stream_html(self.base, self.show_rounds, diff_at) if self.base else "",
+            diff_html(self.spec, self.base) if self.spec and self.base else "",
+            stats_html(self.spec, self.base),
+            charts.tokens_per_round(self.spec),
+            charts.tokens_over_time(self.spec, self.base),
+            charts.acceptance_by_position(self.spec),
+            charts.speedup_curve(self.spec, self.base),
+            charts.cache_lengths(self.spec),
+            runs,
+            picker,
+            download if final else gr.skip(),
+            race if final else gr.skip(),
+            *self.round_view(),
+        )
+
+    def stage_outputs(self) -> tuple:
+        """Only the status and the round view change (a stage within a shown round)."""
+        return (self.status, *[gr.skip()] * (len(OUTPUT_NAMES) - 3), *self.round_view())
+
+
+def greedy_diff(spec: Run | None, base: Run | None) -> int | None:
+    """Where greedy texts part (None if identical, sampled, or no baseline)."""
+    if spec and base and spec.meta.sampling.greedy:
+        return first_difference(spec.token_ids, base.token_ids)
+    return None
+
+
+def split_runs(runs: list[Run] | None) -> tuple[Run | None, Run | None]:
+    spec = next((r for r in runs or [] if r.meta.mode == "speculative"), None)
+    base = next((r for r in runs or [] if r.meta.mode == "baseline"), None)
+    return spec, base
+
+
+def token_choices(run: Run | None) -> list[tuple[str, str]]:
+    """Dropdown entries for the inspector: every tested drafted token."""
+    out = []
+    for e in run.events if run else []:
+        for i, t in enumerate(e.drafted):
+            if t.status != "unverified":
+                out.append((f"round {e.index + 1} · position {i + 1} · {t.text!r} ({t.status})", f"{e.index}:{i}"))
+    return out
