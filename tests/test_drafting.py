@@ -145,3 +145,35 @@ def test_adaptive_gamma_stays_lossless_and_varies(pattern_pair, drafter, policy)
     gammas = [e.gamma for e in spec.events]
     assert len(set(gammas)) > 1 and max(gammas) <= 8, gammas
     assert spec.meta.gamma_policy == policy and spec.meta.gamma_max == 8
+
+
+def test_a_new_drafter_plugs_in_with_one_registry_line(pattern_pair, monkeypatch):
+    """A toy drafter (repeat the last token γ times, q one-hot) is one class plus one DRAFTER_KINDS
+    line: Settings accept it, runs name it, and greedy output stays the target's own."""
+    from specviz.core import generator
+    from specviz.core.drafters import Proposal, StatelessDrafter
+
+    class RepeatDrafter(StatelessDrafter):
+        name = "repeat the last token"
+
+        def __init__(self, vocab_size):
+            self.vocab_size = vocab_size
+
+        def propose(self, seqs, gammas, params, generators):
+            out = []
+            for s, g in zip(seqs, gammas, strict=True):
+                tokens = s[-1:].repeat(g)
+                q = torch.zeros(g, self.vocab_size)
+                q[torch.arange(g), tokens] = 1.0
+                out.append(Proposal(tokens, q))
+            return out
+
+    monkeypatch.setitem(generator.DRAFTER_KINDS, "repeat", generator.DrafterKind(
+        "repeat the last token", lambda pair: RepeatDrafter.name, lambda pair, s, capacity: RepeatDrafter(
+            pair.vocab_size)))
+    pair = pattern_pair("llama")
+    settings = Settings(drafter="repeat", gamma=3, max_new_tokens=12)
+    spec = generate(pair, "", settings, prompt_ids=words(1, 2, 3))
+    base = generate(pair, "", settings, prompt_ids=words(1, 2, 3), mode="baseline")
+    assert spec.meta.draft == "repeat the last token" and spec.n_drafted > 0
+    assert spec.token_ids == base.token_ids

@@ -25,8 +25,6 @@ from .sampling import SamplingParams
 
 # What drafts a speculative run (generator.make_drafter builds each): the pair's draft model, prompt
 # lookup, the pair's EAGLE head, or prompt lookup where the text repeats and the head elsewhere.
-DRAFTERS = ("model", "lookup", "eagle", "lookup+eagle")
-
 TRACE_FORMAT = "specviz-trace/1"
 
 ACCEPTED, REJECTED, UNVERIFIED = "accepted", "rejected", "unverified"
@@ -125,7 +123,7 @@ class RunMeta:
     cache: str = ""  # KV cache kind: "static" | "dynamic" | "none" ("" in traces from before it was recorded)
     compiled: bool = False  # compiled forwards were asked for
     draft_greedy: bool = False  # a sampled run whose drafter proposed its argmax (q one-hot)
-    drafter: str = ""  # one of DRAFTERS for a speculative run ("" for the baseline and old traces)
+    drafter: str = ""  # its key in core/generator.DRAFTER_KINDS ("" for the baseline and old traces)
     versions: dict[str, str] = field(default_factory=dict)
     machine: str = ""  # where it ran: CPU model and instruction-set class, threads (or the GPU)
     dtype_reason: str = ""  # why this dtype: asked for, or what `auto` measured on that machine
@@ -234,7 +232,7 @@ _AT_LEAST = {"index": 0, "gamma": 0, "n_accepted": 0, "target_cache_len": 0, "dr
 _PROBABILITIES = {"p", "q", "accept_prob", "u", "residual", "top_p"}
 _CHOICES = {"status": (ACCEPTED, REJECTED, UNVERIFIED), "kind": (CORRECTION, BONUS, TARGET),
             "mode": ("speculative", "baseline"), "finish_reason": (None, "eos", "length"),
-            "drafter": ("", *DRAFTERS), "drafted_by": ("", "lookup")}
+            "drafted_by": ("", "lookup")}
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +35,6 @@ from .events import (
     ACCEPTED,
     BONUS,
     CORRECTION,
-    DRAFTERS,
     REJECTED,
     TARGET,
     UNVERIFIED,
@@ -54,7 +53,6 @@ MAX_GAMMA = 32
 MAX_NEW_TOKENS = 4096
 MAX_SEED = 2**63 - 1
 MAX_BATCH = 16
-HEAD_DRAFTERS = ("eagle", "lookup+eagle")  # those that need the pair's EAGLE head
 
 
 def compile_by_default() -> bool:
@@ -69,7 +67,7 @@ class Settings:
     gamma: int = 4  # tokens drafted per round; where a policy adapts it, the first round's
     gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected" (schedules.py)
     gamma_max: int = 16  # the most an adaptive policy may draft
-    drafter: str = "model"  # one of DRAFTERS
+    drafter: str = "model"  # a key of DRAFTER_KINDS
     # sampled runs: the drafter proposes its argmax and the rule takes q as one-hot (exact, as for
     # prompt lookup); acceptance becomes p(d) for the draft's likeliest d instead of min(1, p/q)
     draft_greedy: bool = False
@@ -107,8 +105,8 @@ class Settings:
             raise ValueError(f"gamma_max must be an integer in [gamma, {MAX_GAMMA}], got {self.gamma_max!r}")
         if self.gamma_policy not in POLICIES:
             raise ValueError(f"gamma_policy must be one of {', '.join(POLICIES)}, got {self.gamma_policy!r}")
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.drafter not in DRAFTER_KINDS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {self.drafter!r}")
         if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(
                 f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens!r}"
@@ -198,17 +196,12 @@ def _versions() -> dict[str, str]:
 
 def drafter_name(pair: ModelPair, drafter: str) -> str:
     """What drafts, as the stats and traces name it."""
-    if drafter == "eagle":
-        origin = pair.head.config.origin if pair.head is not None else ""
-        return f"EAGLE head {pair.head_name}" + (f" ({origin})" if origin else "")
-    if drafter == "lookup+eagle":
-        return lookup_first_name(drafter_name(pair, "eagle"))
-    return {"model": pair.draft_name, "lookup": PromptLookupDrafter.name}[drafter]
+    return DRAFTER_KINDS[drafter].name(pair)
 
 
 def check_drafter(pair: ModelPair, settings: Settings) -> None:
     """ValueError (before any model work) if the pair cannot draft the way settings ask."""
-    if settings.drafter in HEAD_DRAFTERS and pair.head is None:
+    if DRAFTER_KINDS[settings.drafter].needs_head and pair.head is None:
         raise ValueError(f"the {settings.drafter} drafter needs a head trained for this target: the offline preset "
                          "ships one; for another target make one with `python -m specviz distill --kind eagle` and "
                          "load it with --head DIR")
@@ -298,16 +291,46 @@ def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top
 
 
 
+@dataclass(frozen=True)
+class DrafterKind:
+    """A way to draft: its label on the page, its name in stats and traces, and how to make one for a
+    pair (settings, cache capacity). A new drafter is a class in drafters.py and one line in DRAFTER_KINDS."""
+
+    label: str
+    name: Callable[[ModelPair], str]
+    make: Callable[[ModelPair, Settings, int], Drafter]
+    needs_head: bool = False  # reads the pair's EAGLE head
+
+
+def _head_name(pair: ModelPair) -> str:
+    origin = pair.head.config.origin if pair.head is not None else ""
+    return f"EAGLE head {pair.head_name}" + (f" ({origin})" if origin else "")
+
+
+def _head(pair: ModelPair, capacity: int) -> EagleDrafter:
+    return EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, _head_name(pair))
+
+
+DRAFTER_KINDS: dict[str, DrafterKind] = {
+    "model": DrafterKind("draft model", lambda pair: pair.draft_name, lambda pair, s, capacity: DraftModelDrafter(
+        pair.draft, pair.vocab_size, pad_id(pair), s.cache, capacity, s.compile)),
+    "lookup": DrafterKind("prompt lookup (copies from the prompt, no model)", lambda pair: PromptLookupDrafter.name,
+                          lambda pair, s, capacity: PromptLookupDrafter(pair.vocab_size)),
+    "eagle": DrafterKind("EAGLE head (reads the target's hidden states)", _head_name,
+                         lambda pair, s, capacity: _head(pair, capacity), needs_head=True),
+    "lookup+eagle": DrafterKind("prompt lookup where the text repeats, EAGLE head elsewhere",
+                                lambda pair: lookup_first_name(_head_name(pair)),
+                                lambda pair, s, capacity: LookupFirstDrafter(_head(pair, capacity), pair.vocab_size),
+                                needs_head=True),
+}
+HEAD_DRAFTERS = tuple(name for name, kind in DRAFTER_KINDS.items() if kind.needs_head)
+
+
 def make_drafter(pair: ModelPair, settings: Settings, mode: str, capacity: int) -> Drafter:
     if mode == "baseline":
         return NoDrafter()
-    if settings.drafter == "lookup":
-        return PromptLookupDrafter(pair.vocab_size)
-    if settings.drafter in HEAD_DRAFTERS:
-        check_drafter(pair, settings)
-        head = EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, drafter_name(pair, "eagle"))
-        return head if settings.drafter == "eagle" else LookupFirstDrafter(head, pair.vocab_size)
-    return DraftModelDrafter(pair.draft, pair.vocab_size, pad_id(pair), settings.cache, capacity, settings.compile)
+    check_drafter(pair, settings)
+    return DRAFTER_KINDS[settings.drafter].make(pair, settings, capacity)
 
 
 def pad_id(pair: ModelPair) -> int:

@@ -150,7 +150,7 @@ class BenchRow:
     tps_spread: float = 0.0  # (max - min) / median of specviz tokens/s over repeats
     identical_to_baseline: bool | None = None  # greedy only
     identical_to_hf: bool | None = None  # greedy only
-    drafter: str = "model"  # one of DRAFTERS
+    drafter: str = "model"  # a key of DRAFTER_KINDS
     policy: str = "fixed"  # γ policy (schedules.py)
     mean_gamma: float | None = None  # drafted tokens per round, for adaptive policies
     cache: str = "static"

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from ..core.events import save_runs
 from ..core.generator import (
-    DRAFTERS,
+    DRAFTER_KINDS,
     HEAD_DRAFTERS,
     MAX_BATCH,
     MAX_GAMMA,
@@ -41,7 +41,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--gamma", type=int,
                    help=f"tokens drafted per round, 1..{MAX_GAMMA} (default: the one expected fastest on this "
                         "machine for the preset, else the preset's, else 4); an adaptive policy starts here")
-    g.add_argument("--drafter", choices=list(DRAFTERS),
+    g.add_argument("--drafter", choices=list(DRAFTER_KINDS),
                    help="default: the one expected fastest on this machine for the preset (measured once), else the "
                         "preset's. model: the pair's draft model; lookup: copy from the prompt and text "
                         "(n-grams); eagle: the target's EAGLE head (reads its hidden states; the offline preset "
@@ -414,8 +414,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         gammas, lookup_gammas, eagle_gammas, temperatures, max_new, repeats = [3], [3], [3], [0.0], 24, 1
         policies, batch = ["expected"], 2
     for d in drafters:
-        if d not in DRAFTERS:
-            raise ValueError(f"--drafters: {d!r} is not one of {', '.join(DRAFTERS)}")
+        if d not in DRAFTER_KINDS:
+            raise ValueError(f"--drafters: {d!r} is not one of {', '.join(DRAFTER_KINDS)}")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     for p in policies:

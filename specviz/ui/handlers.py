@@ -32,7 +32,7 @@ from .page import (
     TIME_LIMIT_S,
     TRACE_DIR,
     Page,
-    _int,
+    as_int,
     check_request,
     first_run_values,
     split_batch,
@@ -221,7 +221,7 @@ def check_float32(runs, preset, custom_target, custom_draft):
 def sample_n(page: Page):
     """The first token drawn N times with speculation and N times from the target alone."""
     try:
-        n = _int(page.samples, "N")
+        n = as_int(page.samples, "N")
         if not 1 <= n <= MAX_SAMPLES_UI:
             raise ValueError(f"N must be in [1, {MAX_SAMPLES_UI}] here, got {n}")
         settings = page.settings(gamma_policy="fixed", max_new_tokens=2)

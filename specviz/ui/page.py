@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..core.generator import MAX_GAMMA, Settings
+from ..core.generator import DRAFTER_KINDS, MAX_GAMMA, Settings
 from ..core.generator import validate_prompt as check_prompt
 from ..models.loading import PRESETS, ModelPair, load_pair
 from ..tools.costs import Choice, Costs, describe, first_run
@@ -36,9 +36,7 @@ EDIT_EXAMPLES = [
     "Replace 'car' with 'bicycle' in this text: My car is parked outside. I bought the car last year, and the car "
     "has been very reliable.",
 ]
-DRAFTER_CHOICES = [("draft model", "model"), ("prompt lookup (copies from the prompt, no model)", "lookup"),
-                   ("EAGLE head (reads the target's hidden states)", "eagle"),
-                   ("prompt lookup where the text repeats, EAGLE head elsewhere", "lookup+eagle")]
+DRAFTER_CHOICES = [(kind.label, name) for name, kind in DRAFTER_KINDS.items()]
 POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on a rejection)", "grow-shrink"),
                   ("expected speedup (from measured α and costs)", "expected")]
 CACHE_CHOICES = [("static (pre-allocated; rollback moves a length)", "static"),
@@ -91,11 +89,12 @@ class Page:
 
     def settings(self, **changes) -> Settings:
         """Settings from the controls; ValueError naming the control that is off."""
-        gamma = _int(changes.pop("gamma", self.gamma), "gamma")
+        gamma = as_int(self.gamma, "gamma")
         values = dict(gamma=gamma, gamma_policy=str(self.gamma_policy), gamma_max=max(gamma, GAMMA_MAX_ADAPTIVE),
-                      drafter=str(self.drafter), temperature=_float(self.temperature, "temperature"),
-                      top_k=_int(self.top_k, "top_k"), top_p=_float(self.top_p, "top_p"), seed=_int(self.seed, "seed"),
-                      max_new_tokens=_int(self.max_new_tokens, "max_new_tokens"), cache=str(self.cache),
+                      drafter=str(self.drafter), temperature=as_float(self.temperature, "temperature"),
+                      top_k=as_int(self.top_k, "top_k"), top_p=as_float(self.top_p, "top_p"),
+                      seed=as_int(self.seed, "seed"),
+                      max_new_tokens=as_int(self.max_new_tokens, "max_new_tokens"), cache=str(self.cache),
                       compile=bool(self.compiled), draft_greedy=bool(self.draft_greedy))
         return Settings(**{**values, **changes})
 
@@ -130,7 +129,7 @@ def split_batch(text: str) -> list[str]:
     return prompts
 
 
-def _int(value, name: str) -> int:
+def as_int(value, name: str) -> int:
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -140,7 +139,7 @@ def _int(value, name: str) -> int:
     return int(number)
 
 
-def _float(value, name: str) -> float:
+def as_float(value, name: str) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
