@@ -198,6 +198,8 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "SmolLM2-135M-Instruct").symlink_to(offline_target_dir())
     env = {**os.environ, "SPECVIZ_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    if cap and "avx512f" not in kernels._cpu()[1]:
+        pytest.skip("this CPU has no AVX512: the uncapped run already runs the AVX2 kernels")
     if cap:
         env.update(ONEDNN_MAX_CPU_ISA=cap, ATEN_CPU_CAPABILITY=cap.lower())
     command = [sys.executable, "-m", "specviz", "kernels", "--dtype", "float32", "--repeats", "2"]
