@@ -5,6 +5,7 @@ from .core.generator import Settings, baseline_events, generate, generate_batch,
 from .core.sampling import SamplingParams, accept_or_resample, logits_to_probs
 from .models.loading import PRESETS, ModelPair, load_pair
 from .tools.stream import BatchRound, Finished, RoundDone, stream, stream_batch
+from .view import notebook as _notebook  # noqa: F401 - registers how a notebook draws a Run
 
 __all__ = [
     "PRESETS", "BatchRound", "DraftedToken", "ExtraToken", "Finished", "ModelPair", "RoundDone", "RoundEvent", "Run",

@@ -7,9 +7,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specviz"
 LAYERS = ("models", "core", "view", "tools", "ui")  # bottom to top; the package root and app.py sit above all
-# the one arrow allowed upward: Run._repr_html_ asks the view to draw it, at call time, the way
-# pandas' and Plotly's _repr_html_ call their formatting layers (the record never imports the view)
-LAZY_UPWARD = {("specviz.core.events", "specviz.view.notebook")}
 
 
 def _modules() -> dict[str, Path]:
@@ -57,13 +54,13 @@ def test_every_module_lives_in_a_layer_and_each_layer_says_what_it_owns():
 def test_imports_only_run_downward():
     modules = _modules()
     upward = [(name, target) for name, file in modules.items() for target, _ in _imports(name, file, modules)
-              if _rank(target) > _rank(name) and (name, target) not in LAZY_UPWARD]
+              if _rank(target) > _rank(name)]
     assert not upward, f"imports that run upward: {upward}"
 
 
 def test_no_import_circle():
     modules = _modules()
-    edges = {name: {t for t, _ in _imports(name, file, modules) if (name, t) not in LAZY_UPWARD}
+    edges = {name: {t for t, _ in _imports(name, file, modules)}
              for name, file in modules.items()}
     seen, on_path = set(), []
 

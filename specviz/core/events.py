@@ -25,6 +25,14 @@ from .sampling import SamplingParams
 
 # What drafts a speculative run (generator.make_drafter builds each): the pair's draft model, prompt
 # lookup, the pair's EAGLE head, or prompt lookup where the text repeats and the head elsewhere.
+_HTML_DRAWER: list = []  # [run -> HTML], filled by register_html
+
+
+def register_html(draw) -> None:
+    """How a notebook draws a Run: the view layer says it here when it is imported."""
+    _HTML_DRAWER[:] = [draw]
+
+
 TRACE_FORMAT = "specviz-trace/1"
 
 ACCEPTED, REJECTED, UNVERIFIED = "accepted", "rejected", "unverified"
@@ -209,10 +217,10 @@ class Run:
     def finish_reason(self) -> str | None:
         return self.events[-1].finish_reason if self.events else None
 
-    def _repr_html_(self) -> str:  # a notebook draws the run (notebook.py)
-        from ..view.notebook import run_html
-
-        return run_html(self)
+    def _repr_html_(self) -> str | None:
+        """What a notebook shows: drawn by the view layer, which registers itself (view/notebook.py;
+        importing specviz does), so this record imports no view. None: plain repr."""
+        return _HTML_DRAWER[0](self) if _HTML_DRAWER else None
 
     # --- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ chart stays empty and the rest still shows (or call `run_html(run, plotlyjs=True
 
 from __future__ import annotations
 
-from ..core.events import Run
+from ..core.events import Run, register_html
 from .charts import PlotlySpec, tokens_per_round
 from .rendering import CSS, batch_html, diff_html, stats_html, stream_html
 
@@ -49,3 +49,6 @@ def runs_html(runs: list[Run]) -> str:
     if len(runs) == 1:
         return run_html(runs[0])
     return _page(batch_html(runs))
+
+
+register_html(run_html)  # Run._repr_html_ draws through this
