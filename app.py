@@ -16,7 +16,7 @@ import os
 
 import gradio as gr
 
-from specviz.core.generator import HEAD_DRAFTERS, Settings, compile_by_default, generate
+from specviz.core.generator import HEAD_DRAFTERS, MAX_BRANCH, Settings, compile_by_default, generate
 from specviz.models.loading import PRESETS
 from specviz.ui import handlers, stepping
 from specviz.ui.handlers import preset_changed  # noqa: F401 - part of the app's surface (tests, notebooks)
@@ -31,6 +31,7 @@ from specviz.ui.page import (
     GAMMA_MAX_ADAPTIVE,
     MAX_BATCH_UI,
     MAX_GAMMA_UI,
+    MAX_NODES_UI,
     MAX_SAMPLES_UI,
     MAX_TOKENS_UI,
     POLICY_CHOICES,
@@ -66,11 +67,13 @@ PROJECTOR_JS = """(on) => {
 # the controls a run reads, in the order of the HTTP API's parameters (/run, /step, /next)
 RUN_FIELDS = ("prompt", "preset", "custom_target", "custom_draft", "gamma", "temperature", "top_k", "top_p", "seed",
               "max_new_tokens", "compare", "show_rounds", "drafter", "gamma_policy", "cache", "compiled",
-              "draft_greedy")
+              "draft_greedy", "branch", "nodes")
 PAIR = ("preset", "custom_target", "custom_draft")
+TREE = ("branch", "nodes")
 SAMPLING = ("gamma", "temperature", "top_k", "top_p", "seed")
 EXACT_FIELDS = ("prompt", *PAIR, *SAMPLING, "drafter", "draft_greedy")
-BATCH_FIELDS = ("batch_prompts", *PAIR, *SAMPLING, "max_new_tokens", "drafter", "gamma_policy", "cache", "compiled")
+BATCH_FIELDS = ("batch_prompts", *PAIR, *SAMPLING, "max_new_tokens", "drafter", "gamma_policy", "cache", "compiled",
+                *TREE)
 
 
 def reads(names: tuple[str, ...], handler):
@@ -127,6 +130,11 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
                 gamma = gr.Slider(1, MAX_GAMMA_UI, value=FIRST_RUN.gamma, step=1, label="γ (drafts per round)")
                 temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
                 max_new_tokens = gr.Slider(1, MAX_TOKENS_UI, value=64, step=1, label="max new tokens")
+            with gr.Row():
+                branch = gr.Slider(1, MAX_BRANCH, value=FIRST_RUN.branch, step=1, elem_id="branch",
+                                   label="children per draft (1 = a chain, more = a tree; EAGLE head)")
+                nodes = gr.Slider(0, MAX_NODES_UI, value=FIRST_RUN.nodes, step=1, elem_id="nodes",
+                                  label="tree: drafts verified per round (0 = all)")
     with gr.Accordion("More settings and example prompts", open=False):
         with gr.Row():
             custom_target = gr.Textbox(label="Custom target (hub id or local dir)", visible=False)
@@ -163,7 +171,8 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     diff_box = gr.HTML()
     with gr.Row():
         round_box = gr.HTML(STEP_HINT, elem_id="stage-view")
-        how_box = gr.HTML(elem_id="how-it-works")
+        fig_tree = gr.Plot(elem_id="chart-tree", show_label=False)
+    how_box = gr.HTML(elem_id="how-it-works")
     with gr.Tabs():
         with gr.Tab("Stats and charts"):
             stats = gr.HTML(elem_id="stats")
@@ -216,7 +225,8 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
                 "gamma": gamma, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
                 "max_new_tokens": max_new_tokens, "compare": compare, "show_rounds": show_rounds,
                 "drafter": drafter, "gamma_policy": gamma_policy, "cache": cache, "compiled": compiled,
-                "draft_greedy": draft_greedy, "samples": samples, "batch_prompts": batch_prompts}
+                "draft_greedy": draft_greedy, "samples": samples, "batch_prompts": batch_prompts, "branch": branch,
+                "nodes": nodes}
     OUTPUTS = [globals()[name] for name in OUTPUT_NAMES]  # the components named as View fills them
 
     def controls(names):
@@ -231,10 +241,11 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
         continue_btn.click(handlers.continue_run, show_rounds, OUTPUTS, api_name="continue", **device),
         fp32_btn.click(handlers.check_float32, [runs_state, *controls(PAIR)], fp32_status, api_name="check_float32",
                        **device),
-        sample_btn.click(reads((*EXACT_FIELDS, "samples"), handlers.sample_n), controls((*EXACT_FIELDS, "samples")),
+        sample_btn.click(reads((*EXACT_FIELDS, "samples", *TREE), handlers.sample_n),
+                         controls((*EXACT_FIELDS, "samples", *TREE)),
                          [lossless_status, fig_sample], api_name="sample", **device),
-        exact_btn.click(reads(EXACT_FIELDS, handlers.exact), controls(EXACT_FIELDS), exact_status, api_name="exact",
-                        **device),
+        exact_btn.click(reads((*EXACT_FIELDS, *TREE), handlers.exact), controls((*EXACT_FIELDS, *TREE)),
+                        exact_status, api_name="exact", **device),
         batch_btn.click(reads(BATCH_FIELDS, handlers.run_batch), controls(BATCH_FIELDS),
                         [batch_status, batch_box, batch_download], api_name="batch", **device),
     ]
@@ -244,11 +255,12 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     show_rounds.change(handlers.rerender, [runs_state, show_rounds], [spec_html, base_html], api_visibility="private")
     token_pick.change(handlers.inspect_token, [runs_state, token_pick], fig_inspect, api_visibility="private")
     race_btn.click(handlers.race, runs_state, race_box, api_visibility="private")
-    preset.change(handlers.preset_changed, preset, [custom_target, custom_draft, drafter, gamma, gamma_policy],
+    preset.change(handlers.preset_changed, preset, [custom_target, custom_draft, drafter, gamma, gamma_policy, branch,
+                                                    nodes],
                   api_visibility="private")
     projector.change(None, projector, None, js=PROJECTOR_JS)
     demo.load(projector_from_url, None, projector, api_visibility="private")
-    demo.load(handlers.page_opened, None, [drafter, gamma, status], api_visibility="private")
+    demo.load(handlers.page_opened, None, [drafter, gamma, branch, nodes, status], api_visibility="private")
     demo.unload(stepping.drop)
 
 
@@ -265,9 +277,11 @@ def warm_up() -> None:
     pair = get_pair("offline", "", "")
     if pair.head is not None:  # the first run's drafter and γ, measured best on this machine
         machine_first_run("offline")
-    drafter, gamma, _ = first_run_values("offline")
-    drafter = drafter if drafter not in HEAD_DRAFTERS or pair.head is not None else "model"
-    settings = Settings(gamma=gamma, drafter=drafter, max_new_tokens=gamma + 2, record_top=0)  # a full round
+    drafter, gamma, branch, nodes, _ = first_run_values("offline")
+    if drafter in HEAD_DRAFTERS and pair.head is None:
+        drafter, branch, nodes = "model", 1, 0
+    settings = Settings(gamma=gamma, drafter=drafter, branch=branch, nodes=nodes, max_new_tokens=gamma + 2,
+                        record_top=0)  # a full round
     for mode in ("speculative", "baseline"):
         generate(pair, EXAMPLES[0], settings, mode=mode)
 

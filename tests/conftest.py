@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from specviz.models.loading import load_pair
+from specviz.tools.distill import DistillConfig, distill_eagle
 
 UNK, PAD, EOS = 0, 1, 2
 N_WORDS = 40
@@ -181,3 +182,42 @@ def seeded_runs(pair, prompt: list[int], settings, n: int, chunk: int = 2000) ->
                 rows.setdefault(row, []).append(event)
         runs += [rows[row] for row in range(size)]
     return runs
+
+
+DRAFT_VOCAB = 30  # of the 43 ids: the head can never draft the other 13 (reached through the residual)
+
+
+def tiny_config(target, out, data_file=None) -> DistillConfig:
+    return DistillConfig(str(target), str(out), prompts_file=str(out.parent / "prompts.txt"), chat_template=False,
+                         new_tokens=16, gen_batch=16, max_steps=80, batch=8, lr=3e-3, holdout=0.2,
+                         draft_vocab=DRAFT_VOCAB, ttt_steps=2, head_intermediate=64, data_file=data_file)
+
+
+@pytest.fixture(scope="session")
+def eagle_dirs(pattern_dirs, tmp_path_factory):
+    """arch -> a head trained for a few seconds on the pattern target's own counting."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            target, _ = pattern_dirs(arch)
+            root = tmp_path_factory.mktemp(f"eagle-{arch}")
+            (root / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(36)))
+            cache[arch] = (distill_eagle(tiny_config(target, root / "head"), progress=lambda m: None), root / "head")
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def eagle_pair(pattern_dirs, eagle_dirs):
+    pairs = {}
+
+    def get(arch, dtype=torch.float32):
+        if (arch, dtype) not in pairs:
+            target, draft = pattern_dirs(arch)
+            pairs[arch, dtype] = load_pair(str(target), str(draft), device="cpu", dtype=dtype,
+                                           head=str(eagle_dirs(arch)[1]))
+        return pairs[arch, dtype]
+
+    return get

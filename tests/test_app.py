@@ -132,7 +132,8 @@ def test_a_preset_brings_its_first_run_settings():
     from specviz.models.loading import PRESETS
 
     offline = PRESETS["offline"]
-    _, _, drafter, gamma, policy = app.preset_changed("offline")
+    _, _, drafter, gamma, policy, branch, nodes = app.preset_changed("offline")
+    assert (branch["value"], nodes["value"]) == (offline.branch, offline.nodes)
     assert (drafter["value"], gamma["value"], policy["value"]) == (offline.drafter, offline.gamma, offline.gamma_policy)
     assert (app.FIRST_RUN.drafter, app.FIRST_RUN.gamma) == (offline.drafter, offline.gamma)
     custom_target, *_ = app.preset_changed(app.CUSTOM)

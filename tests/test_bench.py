@@ -10,14 +10,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
 
 
 def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
-    assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    assert cli.main(["bench", "--quick", "--drafters", "model,lookup+eagle", "--trees", "3x2:4", "--step-caches",
+                     "static", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     rows = data["rows"]
-    # per prompt: the draft model, prompt lookup, the EAGLE head and lookup-then-head at γ 3, each with the
-    # 'expected' policy
-    drafters = ("model", "lookup", "eagle", "lookup+eagle")
-    assert len(rows) == 16 and {r["category"] for r in rows} == {"classic", "edit"}
-    assert {(r["drafter"], r["policy"]) for r in rows} == {(d, p) for d in drafters for p in ("fixed", "expected")}
+    # per prompt: the draft model and lookup-then-head at γ 3, each with the 'expected' policy, and the
+    # head's tree 3 deep, 2 children per node, 4 drafts verified
+    drafters = ("model", "lookup+eagle")
+    assert len(rows) == 10 and {r["category"] for r in rows} == {"classic", "edit"}
+    assert {(r["drafter"], r["policy"], r["tree"]) for r in rows} == {
+        (d, p, "") for d in drafters for p in ("fixed", "expected")} | {("lookup+eagle", "fixed", "3x2:4")}
+    trees = [r for r in rows if r["tree"]]
+    assert all(len(r["depth_alpha"]) == 3 and r["tokens_per_round"] > 1 and r["bound"] is None for r in trees)
     for r in rows:
         assert r["temperature"] == 0 and r["baseline_tps"] > 0 and r["specviz_tps"] > 0 and r["hf_plain_tps"] > 0
         # against the faster of two baselines, each repeat's ratio can only be smaller
@@ -28,8 +32,8 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
             hf = {"model": r["hf_assisted_tps"], "lookup": r["hf_lookup_tps"]}.get(r["drafter"])
             assert (r["specviz_over_hf"] is None) == ("eagle" in r["drafter"])  # transformers has no EAGLE
             assert hf is None or (hf > 0 and r["specviz_over_hf"] > 0)
-            # the bound needs i.i.d. acceptance from a drafter with a cost
-            assert (r["bound"] is None) == ("lookup" in r["drafter"])
+            # the bound needs i.i.d. acceptance from a drafter with a cost, along a chain
+            assert (r["bound"] is None) == ("lookup" in r["drafter"] or bool(r["tree"]))
         else:
             # drafted tokens per round: below 1 where prompt lookup found no match in some rounds
             assert 0 < r["mean_gamma"] <= 16 and r["bound"] is None
@@ -38,12 +42,13 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
     assert data["environment"]["dtype"] and data["environment"]["torch"]
     steps = {(s["model"], s["cache"]): s["ms"] for s in data["steps"]}
     # both offline models run the lean static forward, so their matrix products are timed alone too
-    assert set(steps) == {(m, c) for m in ("target", "draft") for c in ("static", "dynamic", "matrix products alone")}
+    assert set(steps) == {(m, c) for m in ("target", "draft") for c in ("static", "matrix products alone")}
     assert all(ms["1"] > 0 and ms["5"] > 0 for ms in steps.values())
     md = (tmp_path / "results.md").read_text()
     assert "| drafter | T | γ | median α" in md and "python -m specviz bench --quick" in md
     assert "policy / best fixed" in md and "batch / sequential" in md
     assert "### Forward passes" in md and "median baseline / HF plain" in md
+    assert "| lookup+eagle | 0 | tree 3x2:4 | 5 |" in md  # chains and trees, with the verify width
     assert (tmp_path / "speedup.html").stat().st_size > 10_000
     assert "median speedup" in capsys.readouterr().out
 

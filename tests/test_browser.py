@@ -165,6 +165,29 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
         page.get_by_label("projector (large type)").uncheck()
         page.wait_for_function("!document.body.classList.contains('sv-projector') && "
                                "!location.search.includes('projector')", timeout=30_000)
+
+        # a tree: 3 children per draft, 6 verified. Step rounds until one keeps a draft; walked stage by stage,
+        # its tree shows the kept path (green), the rejected drafts (red) and the token the target added
+        for slider, value in (("#branch", "3"), ("#nodes", "6")):
+            box = page.locator(f'{slider} input[type="number"]')
+            box.fill(value)
+            box.press("Enter")
+        legend = "Array.from(document.querySelectorAll('#chart-tree .legendtext')).map(e => e.textContent)"
+        names: list[str] = []
+        for round_number in range(1, 13):
+            timed(page, lambda: page.locator("#step-btn").click(), f"Round {round_number}, stage 1 of")
+            caption = page.locator(CAPTION).inner_text()
+            assert "Depth 1 of the tree" in caption, caption  # a tree round starts with its first level
+            for stage in range(2, int(re.search(r"stage 1 of (\d+)", caption).group(1)) + 1):
+                timed(page, lambda: page.keyboard.press("n"), f"Round {round_number}, stage {stage} of")
+            page.wait_for_function(f"{legend}.includes('last kept token')", timeout=60_000)
+            names = page.evaluate(legend)
+            if "accepted" in names:
+                break
+        assert "accepted" in names, names
+        title = page.locator("#chart-tree .gtitle").inner_text()
+        assert "drafts as a tree" in title and "kept" in title, title
+        page.locator("#chart-tree").screenshot(path=str(SCREENSHOT.with_name("tree-round.png")))
         browser.close()
 
 

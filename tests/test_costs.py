@@ -14,12 +14,13 @@ def made_costs(forward, draft, overhead=None) -> Costs:
 def test_expected_speedup_is_tokens_per_round_over_the_round_in_steps():
     c = made_costs({1: 10.0, 2: 12.0, 3: 15.0}, {"eagle": 1.0}, {"": 1.0, "eagle": 2.0})
     # plain: 10 + 1 per token; a γ = 2 round: verify(3) 15 + 2 drafts of 1 + 2 of bookkeeping
-    assert expected_speedup(c, "eagle", 2, 1.9) == pytest.approx(1.9 * 11 / 19)
+    assert expected_speedup(c, "eagle", (2, 1, 0), 1.9) == pytest.approx(1.9 * 11 / 19)
     assert c.c(3) == pytest.approx(1.5) and c.c(9) == pytest.approx(1.5)  # beyond the widths timed: the widest
 
 
 def test_rank_weighs_acceptance_against_the_machines_verify_cost():
-    taus = {"eagle": {1: 1.5, 2: 1.8, 3: 2.0}, "lookup": {2: 1.2}, "unmeasured": {1: 9.0}}
+    taus = {"eagle": {(1, 1, 0): 1.5, (2, 1, 0): 1.8, (3, 1, 0): 2.0}, "lookup": {(2, 1, 0): 1.2},
+            "unmeasured": {(1, 1, 0): 9.0}}
     cheap = made_costs({1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0}, {"eagle": 1.0, "lookup": 0.0})
     dear = made_costs({1: 10.0, 2: 16.0, 3: 22.0, 4: 28.0}, {"eagle": 1.0, "lookup": 0.0})
     assert rank(cheap, taus)[0] == Choice("eagle", 3, pytest.approx(2.0 * 10 / 13))  # flat verify: draft deep
@@ -29,9 +30,22 @@ def test_rank_weighs_acceptance_against_the_machines_verify_cost():
     assert note(rank(cheap, taus)[0], cheap) == ""
 
 
+def test_a_tree_wins_where_wide_verifies_are_cheap_and_loses_where_they_are_dear():
+    """A tree of 8 drafts (width 9) at 2.4 tokens per round against a chain of 2 at 1.8."""
+    taus = {"eagle": {(2, 1, 0): 1.8, (4, 4, 8): 2.4}}
+    flat = made_costs({1: 10.0, 2: 10.0, 3: 10.5, 5: 11.0, 9: 12.0}, {"eagle": 1.0})
+    steep = made_costs({1: 10.0, 2: 11.0, 3: 12.0, 5: 16.0, 9: 30.0}, {"eagle": 1.0})
+    flat.tree_ms[costs.tree_key("eagle", (4, 4, 8))] = steep.tree_ms[costs.tree_key("eagle", (4, 4, 8))] = 4.0
+    best = rank(flat, taus)[0]
+    assert (best.shape, best.expected) == ((4, 4, 8), pytest.approx(2.4 * 10 / 16))
+    assert rank(steep, taus)[0].shape == (2, 1, 0)
+    assert "as a tree (4 deep, 4 children per node, 8 drafts verified)" in describe(best, flat)
+    assert costs.width((4, 4, 8)) == 9 and costs.width((3, 2, 0)) == 2 + 2 * 4 + 1
+
+
 def test_when_nothing_beats_plain_decoding_the_note_says_so_and_why():
     c = made_costs({1: 10.0, 2: 25.0, 3: 40.0}, {"eagle": 2.0})
-    best = rank(c, {"eagle": {1: 1.5, 2: 1.8}})[0]
+    best = rank(c, {"eagle": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}})[0]
     assert best.expected < 1
     text = describe(best, c)
     assert "no drafter and γ is expected to beat plain decoding" in text and "2.50 one-token steps" in text
@@ -41,7 +55,7 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
     pair = pattern_pair("llama")
     messages = []
-    choice, measured = costs.first_run(pair, {"model": {1: 1.5, 2: 1.8}}, messages.append)
+    choice, measured = costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}, messages.append)
     assert choice is not None and choice.drafter == "model" and choice.gamma in (1, 2)
     assert set(measured.forward_ms) == set(range(1, costs.MAX_WIDTH + 1)) and measured.draft_ms["model"] > 0
     assert any("measuring what a round costs" in m for m in messages)
@@ -52,6 +66,6 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
 
     monkeypatch.setattr(costs, "_round_costs", no_decoding)
     monkeypatch.setattr(costs, "forward_ms", no_decoding)
-    again, read = costs.first_run(pair, {"model": {1: 1.5, 2: 1.8}})
+    again, read = costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}})
     assert read == measured and again == choice
     assert costs.first_run(pair, {}) == (None, None)  # a preset with no measured τ keeps its own defaults

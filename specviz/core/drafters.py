@@ -10,6 +10,7 @@ fewer than γ tokens, even none. Drafters work on B rows at once; a single promp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -18,7 +19,7 @@ from transformers import PreTrainedModel
 
 from ..models.eagle import EagleHead, HeadCache
 from .kvcache import KVState, left_padded
-from .sampling import SamplingParams, at_least_float32, logits_to_probs, sample
+from .sampling import SamplingParams, at_least_float32, chain_parents, logits_to_probs, sample
 
 
 @dataclass
@@ -27,6 +28,13 @@ class Proposal:
     q: torch.Tensor  # [γ, V] the distribution each token was drawn from (one-hot when greedy)
     logits: torch.Tensor | None = None  # [γ, V] raw draft logits, if the drafter has a model
     source: str = ""  # which part of a combined drafter proposed (e.g. "lookup"); "" for a single one
+    parents: list[int] | None = None  # [γ] a tree: each node's parent (-1: the last kept token); None: a chain
+    scores: list[float] | None = None  # [γ] a tree's nodes: the draft's probability of the path to each
+
+    @property
+    def tree(self) -> list[int]:
+        """Each node's parent, a chain's too."""
+        return chain_parents(self.tokens.shape[0]) if self.parents is None else self.parents
 
 
 class Drafter(Protocol):
@@ -172,8 +180,10 @@ class EagleDrafter:
 
     requires_hidden = True
 
-    def __init__(self, head: EagleHead, vocab_size: int, pad_id: int, capacity: int, name: str = "EAGLE head"):
+    def __init__(self, head: EagleHead, vocab_size: int, pad_id: int, capacity: int, name: str = "EAGLE head",
+                 branch: int = 1, nodes: int = 0):
         self.head, self.vocab_size, self.pad_id, self.capacity, self.name = head, vocab_size, pad_id, capacity, name
+        self.branch, self.nodes = branch, nodes  # children per node (1: a chain); nodes kept (0: all drafted)
         self.cache: HeadCache | None = None
         self.pending: list[torch.Tensor] = []  # per row: [n, F] features whose entries are not written yet
 
@@ -207,39 +217,92 @@ class EagleDrafter:
 
     def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
-        cache, device, V = self.cache, seqs[0].device, self.vocab_size
-        caught_up = self._catch_up(seqs, max(gammas))
+        """Expand each row's tree level by level (EAGLE-2): feed the head the `branch` most likely nodes
+        of the last level (by cumulative draft probability), give each its `branch` likeliest children,
+        and after γ levels keep the `nodes` likeliest of all. In a sampled run each fed node's first child is
+        drawn from q and the others are its likeliest other tokens, chosen (q one-hot): sampling.py's rule
+        stays exact, and a chain (branch 1) samples every draft from q as before."""
+        cache, device, k = self.cache, seqs[0].device, self.branch
+        caught_up = self._catch_up(seqs, max(gammas) * k)
         gammas = [g if cache.lengths[row] else 0 for row, g in enumerate(gammas)]  # no entry yet: no draft
-        steps = max(gammas)
-        tokens = torch.zeros(len(seqs), steps, dtype=torch.long, device=device)  # [B, γ_max]
-        qs, logit_rows = [], []
-        if steps:
-            g, logits = caught_up  # g [B, 1, D]: fed back in place of a feature; logits [B, N]
-            draft_ids = self.head.draft_ids
-        for step in range(steps):
+        depth = max(gammas)
+        if not depth:
+            return [Proposal(seq[:0], torch.zeros(0, self.vocab_size, device=device), parents=[]) for seq in seqs]
+        sampled = not params.greedy  # the first child of each fed node drawn from q; else the top k, chosen
+        h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
+        rows, lengths = len(seqs), torch.tensor(cache.lengths, device=device)
+        # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
+        seen = (cache.slot_index < lengths[:, None])[:, None]
+        # per level: [B, n] ids (on the head's vocabulary), parents, log scores, drawn from q?; [B, n, N] logits, q
+        tokens, parents, scores, drawn, node_logits, node_q = [], [], [], [], [], []
+        fed_score = torch.zeros(rows, 1, device=device)
+        beam_ids = torch.full((rows, 1), -1, dtype=torch.long, device=device)  # node index of each fed node
+        logits = at_least_float32(logits)[:, None]  # [B, f, N]: the fed nodes' (first, the root's)
+        for level in range(1, depth + 1):
+            q = logits_to_probs(logits, params)  # [B, f, N] on the reduced vocabulary
+            if sampled:  # per row still drafting, in row order (seeded runs repeat), one draw per fed node
+                zero = q.new_zeros((), dtype=torch.long)
+                first_child = torch.stack([torch.stack([sample(q[row, j], generators[row]) if level <= gm else zero
+                                                        for j in range(q.shape[1])])
+                                           for row, gm in enumerate(gammas)])[..., None]  # [B, f, 1]
+                others = torch.topk(logits.scatter(-1, first_child, -math.inf), k - 1, dim=-1).indices
+                picks = torch.cat([first_child, others], -1)  # [B, f, k]
+            else:
+                picks = torch.topk(logits, k, dim=-1).indices  # [B, f, k]
+            logp = logits.log_softmax(-1).gather(-1, picks)  # ranked by the head's own (unwarped) probability
+            tokens.append(picks.flatten(1))
+            parents.append(beam_ids[:, :, None].expand(-1, -1, k).flatten(1))
+            scores.append((fed_score[:, :, None] + logp).flatten(1))
+            drawn.append((torch.arange(k, device=device) == 0).expand_as(picks).flatten(1) & sampled)
+            node_logits.append(logits[:, :, None].expand(-1, -1, k, -1).flatten(1, 2))
+            node_q.append(q[:, :, None].expand(-1, -1, k, -1).flatten(1, 2))
+            if level == depth:
+                break
+            # the next beam: the k likeliest nodes of this level, fed as entries (h of their parent, token)
+            first = sum(t.shape[1] for t in tokens[:-1])  # node index of this level's first node
+            beam = torch.topk(scores[-1], min(k, scores[-1].shape[1]), dim=-1).indices  # [B, f']
+            beam_ids, fed_score = beam + first, scores[-1].gather(1, beam)
+            parent_pos = beam // picks.shape[-1]  # which fed node each beam node hangs from, [B, f']
+            g = h.gather(1, parent_pos[:, :, None].expand(-1, -1, h.shape[-1]))
+            slots = lengths[:, None] + (level - 1) * k + torch.arange(beam.shape[1], device=device)  # [B, f']
+            slots = torch.where(torch.tensor([level < gm for gm in gammas], device=device)[:, None], slots,
+                                cache.scratch)  # a node is fed only where the row drafts a level below it
+            positions = torch.where(slots == cache.scratch, 0, lengths[:, None] + level - 1)
+            own = torch.zeros(rows, beam.shape[1], cache.scratch + 1, dtype=torch.bool, device=device)
+            own.scatter_(2, slots[:, :, None], True)
+            seen = seen.gather(1, parent_pos[:, :, None].expand(-1, -1, seen.shape[-1])) | own
+            seen[:, :, 0] |= slots == cache.scratch  # a row done drafting: its query sees slot 0, never nothing
+            h, logits = self.head.step(cache, self.head.draft_ids[tokens[-1].gather(1, beam)], g, slots,
+                                       positions, visible=seen)
             logits = at_least_float32(logits)
-            q = logits_to_probs(logits, params)  # [B, N] on the reduced vocabulary
-            picks = q.argmax(-1) if params.greedy else torch.stack([
-                sample(q[row], generators[row]) if step < gamma else q.new_zeros((), dtype=torch.long)
-                for row, gamma in enumerate(gammas)])
-            tokens[:, step] = draft_ids[picks]
-            qs.append(q)
-            logit_rows.append(logits)
-            if step + 1 < steps:  # d_γ is never fed
-                live = torch.tensor([step + 1 < gm for gm in gammas], device=device)
-                lengths = torch.tensor(cache.lengths, device=device)
-                positions = torch.where(live, lengths + step, 0)[:, None]  # entry (h, d) after the real ones
-                slots = torch.where(live, lengths + step, cache.scratch)[:, None]
-                g, logits = self.head.step(cache, tokens[:, step : step + 1], g, slots, positions)
-                logits = logits[:, 0]
-        out, dtype = [], qs[0].dtype if qs else torch.float32  # at least float32, as logits_to_probs gives
+        return self._proposals(gammas, tokens, parents, scores, drawn, node_logits, node_q)
+
+    def _proposals(self, gammas, tokens, parents, scores, drawn, node_logits, node_q) -> list[Proposal]:
+        """Per row: the `nodes` likeliest nodes no deeper than its γ, in level order (parents first),
+        with full-vocabulary q (one-hot for a chosen node) and logits (-inf outside the head's vocabulary)."""
+        draft_ids, V = self.head.draft_ids, self.vocab_size
+        depth = torch.cat([torch.full_like(t, level + 1) for level, t in enumerate(tokens)], 1)  # [B, M]
+        tokens, parents, scores, drawn = (torch.cat(x, 1) for x in (tokens, parents, scores, drawn))
+        node_logits, node_q = torch.cat(node_logits, 1), torch.cat(node_q, 1)  # [B, M, N]
+        out = []
         for row, gamma in enumerate(gammas):
-            q_full = torch.zeros(gamma, V, device=device, dtype=dtype)  # [γ, V]: 0 outside the head's vocabulary
-            logits_full = torch.full((gamma, V), float("-inf"), device=device, dtype=dtype)
-            if gamma:
-                q_full[:, draft_ids] = torch.stack([q[row] for q in qs[:gamma]])
-                logits_full[:, draft_ids] = torch.stack([lg[row] for lg in logit_rows[:gamma]])
-            out.append(Proposal(tokens[row, :gamma], q_full, logits_full))
+            allowed = depth[row] <= gamma
+            budget = min(self.nodes or tokens.shape[1], int(allowed.sum()))
+            ranked = torch.sort(torch.where(allowed, scores[row], -math.inf), descending=True, stable=True).indices
+            keep = ranked[:budget].sort().values  # ancestors first: a child never outscores its parent
+            renumber = {old: new for new, old in enumerate(keep.tolist())}
+            row_parents = [renumber[p] if p >= 0 else -1 for p in parents[row, keep].tolist()]
+            ids = draft_ids[tokens[row, keep]]
+            logits_full = node_logits.new_full((budget, V), -math.inf)
+            logits_full[:, draft_ids] = node_logits[row, keep]
+            q_full = node_logits.new_zeros(budget, V).scatter_(1, ids[:, None], 1.0)
+            from_q = drawn[row, keep]  # drawn from q: the rule needs q itself
+            if from_q.any():
+                q_full[from_q] = 0.0
+                q_full[from_q.nonzero()[:, :1], draft_ids] = node_q[row, keep][from_q]
+            tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
+            out.append(Proposal(ids, q_full, logits_full, parents=row_parents if tree else None,
+                                scores=scores[row, keep].exp().tolist() if tree else None))
         return out
 
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
@@ -307,6 +370,10 @@ class LookupFirstDrafter:
     def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
         copied = self.lookup.propose(seqs, gammas, params, generators)
+        if getattr(self.fallback, "branch", 1) > 1:  # a tree: the copied continuation joins it as a branch
+            trees = self.fallback.propose(seqs, gammas, params, generators)
+            return [graft(t, c, getattr(self.fallback, "nodes", 0)) if c.tokens.numel() else t
+                    for c, t in zip(copied, trees, strict=True)]
         rest = self.fallback.propose(seqs, [0 if c.tokens.numel() else g for c, g in zip(copied, gammas, strict=True)],
                                      params, generators)
         return [replace(c, source="lookup") if c.tokens.numel() else r for c, r in zip(copied, rest, strict=True)]
@@ -319,6 +386,42 @@ class LookupFirstDrafter:
 
     def cache_lens(self) -> list[int]:
         return self.fallback.cache_lens()
+
+
+def graft(tree: Proposal, chain: Proposal, budget: int = 0) -> Proposal:
+    """The tree with a deterministic chain (q one-hot, as prompt lookup's) joined from the root: where a
+    node with the chain's next token exists it is shared, else a new node is added. Over a node budget,
+    the tree's least likely leaves off the chain make room. The rule stays exact: every node is still a
+    draw from its own q (sampling.py)."""
+    parents, tokens = list(tree.tree), tree.tokens.tolist()
+    scores = list(tree.scores) if tree.scores is not None else [1.0] * len(tokens)
+    on_chain, node = set(), -1
+    for token in chain.tokens.tolist():
+        child = next((i for i, (p, t) in enumerate(zip(parents, tokens, strict=True)) if (p, t) == (node, token)),
+                     None)
+        if child is None:
+            parents.append(node)
+            tokens.append(token)
+            scores.append(scores[node] if node >= 0 else 1.0)
+            child = len(tokens) - 1
+        on_chain.add(child)
+        node = child
+    keep = list(range(len(tokens)))
+    while budget and len(keep) > max(budget, len(on_chain)):  # drop the least likely leaf off the chain
+        leaves = [i for i in keep if i not in on_chain and not any(parents[j] == i for j in keep)]
+        keep.remove(min(leaves, key=lambda i: (scores[i], -i)))
+    device, V = tree.tokens.device, chain.q.shape[1]
+    renumber = {old: new for new, old in enumerate(keep)}
+    ids = torch.tensor([tokens[i] for i in keep], device=device, dtype=torch.long)
+    q = torch.zeros(len(keep), V, device=device, dtype=tree.q.dtype)
+    logits = torch.full((len(keep), V), -math.inf, device=device, dtype=tree.q.dtype)
+    for new, old in enumerate(keep):
+        if old < len(tree.tokens):
+            q[new], logits[new] = tree.q[old], tree.logits[old]
+        else:
+            q[new, tokens[old]], logits[new, tokens[old]] = 1.0, 0.0
+    return Proposal(ids, q, logits, "lookup", [renumber[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                    [scores[i] for i in keep])
 
 
 def lookup_first_name(fallback: str) -> str:

@@ -60,6 +60,7 @@ class DraftedToken:
     u: float | None  # the uniform draw it was tested with; None if untested or greedy
     status: str  # "accepted" | "rejected" | "unverified" (after a rejection or a stop)
     top: list[TopToken] = field(default_factory=list)
+    score: float | None = None  # a tree's node: the draft's probability of the path from the root to it
 
     @property
     def accepted(self) -> bool:
@@ -95,6 +96,27 @@ class RoundEvent:
     elapsed_ms: float  # since the run started, prefill included
     finish_reason: str | None = None  # "eos" | "length" on the last round
     drafted_by: str = ""  # in a run whose drafter combines two: "lookup" where prompt lookup drafted
+    # a tree round: each drafted node's parent (an index into drafted; -1 the last kept token), parents
+    # first; empty for a chain, where d_i's parent is d_{i-1}
+    parents: list[int] = field(default_factory=list)
+
+    @property
+    def tree(self) -> list[int]:
+        """Each drafted node's parent, a chain's too."""
+        return self.parents or list(range(-1, len(self.drafted) - 1))
+
+    @property
+    def depths(self) -> list[int]:
+        """Each drafted node's depth: 1 for a child of the last kept token."""
+        depth: list[int] = []
+        for parent in self.tree:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
+
+    @property
+    def path(self) -> list[int]:
+        """The kept nodes, root to leaf."""
+        return [i for i, t in enumerate(self.drafted) if t.accepted]
 
     @property
     def n_rejected(self) -> int:
@@ -135,6 +157,8 @@ class RunMeta:
     versions: dict[str, str] = field(default_factory=dict)
     machine: str = ""  # where it ran: CPU model and instruction-set class, threads (or the GPU)
     dtype_reason: str = ""  # why this dtype: asked for, or what `auto` measured on that machine
+    branch: int = 1  # children per drafted node (1: chains)
+    nodes: int = 0  # drafts a tree round verifies at most (0: all it drafted)
 
 
     @property
@@ -157,7 +181,7 @@ class Run:
         """What the run recorded for each generated token, in text order."""
         out: list[DraftedToken | ExtraToken] = []
         for e in self.events:
-            out += e.drafted[: e.n_accepted] + ([e.extra] if e.extra else [])
+            out += [e.drafted[i] for i in e.path] + ([e.extra] if e.extra else [])
         return out
 
     @property
@@ -236,8 +260,9 @@ class Run:
 # Ranges beyond the types: a field named here must hold a value at least this.
 _AT_LEAST = {"index": 0, "gamma": 0, "n_accepted": 0, "target_cache_len": 0, "draft_cache_len": 0,
              "tokens_so_far": 0, "draft_ms": 0, "verify_ms": 0, "elapsed_ms": 0, "id": 0, "vocab_size": 1,
-             "max_new_tokens": 1, "gamma_max": 0, "batch_size": 1, "prefill_ms": 0, "temperature": 0, "top_k": 0}
-_PROBABILITIES = {"p", "q", "accept_prob", "u", "residual", "top_p"}
+             "max_new_tokens": 1, "gamma_max": 0, "batch_size": 1, "prefill_ms": 0, "temperature": 0, "top_k": 0,
+             "parents": -1, "branch": 1, "nodes": 0}
+_PROBABILITIES = {"p", "q", "accept_prob", "u", "residual", "top_p", "score"}
 _CHOICES = {"status": (ACCEPTED, REJECTED, UNVERIFIED), "kind": (CORRECTION, BONUS, TARGET),
             "mode": ("speculative", "baseline"), "finish_reason": (None, "eos", "length"),
             "drafted_by": ("", "lookup")}
@@ -259,6 +284,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
                 raise ValueError(f"{where}.{name} is missing")
             continue
         values[name] = _value(hints[name], data[name], f"{where}.{name}", name)
+    parents = values.get("parents") if cls is RoundEvent else None
+    if parents and (len(parents) != len(values["drafted"]) or any(p >= i for i, p in enumerate(parents))):
+        raise ValueError(f"{where}.parents must give each drafted node a parent before it (or -1)")
     return cls(**values)
 
 

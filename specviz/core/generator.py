@@ -45,14 +45,16 @@ from .events import (
     RunMeta,
     TopToken,
 )
-from .kvcache import CACHE_KINDS, KVState
-from .sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution
+from .kvcache import CACHE_KINDS, KVState, Tree
+from .sampling import SamplingParams, accept_or_resample, logits_to_probs
 from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
 MAX_NEW_TOKENS = 4096
 MAX_SEED = 2**63 - 1
 MAX_BATCH = 16
+MAX_BRANCH = 8
+MAX_NODES = 63  # a verify pass of at most 64 tokens
 
 
 def compile_by_default() -> bool:
@@ -67,6 +69,10 @@ class Settings:
     gamma: int = 4  # tokens drafted per round; where a policy adapts it, the first round's
     gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected" (schedules.py)
     gamma_max: int = 16  # the most an adaptive policy may draft
+    # a tree (EAGLE-head drafters): each drafted node gets `branch` children, γ levels deep, and the
+    # `nodes` likeliest are verified together (0: all drafted); branch 1 is a chain of γ
+    branch: int = 1
+    nodes: int = 0
     drafter: str = "model"  # a key of DRAFTER_KINDS
     # sampled runs: the drafter proposes its argmax and the rule takes q as one-hot (exact, as for
     # prompt lookup); acceptance becomes p(d) for the draft's likeliest d instead of min(1, p/q)
@@ -90,7 +96,8 @@ class Settings:
         fields = dict(gamma=meta.gamma, gamma_policy=meta.gamma_policy, gamma_max=max(meta.gamma_max, meta.gamma),
                       drafter=meta.drafter or "model", temperature=meta.temperature, top_k=meta.top_k,
                       top_p=meta.top_p, seed=meta.seed, max_new_tokens=meta.max_new_tokens,
-                      cache=meta.cache or "static", compile=meta.compiled, draft_greedy=meta.draft_greedy)
+                      cache=meta.cache or "static", compile=meta.compiled, draft_greedy=meta.draft_greedy,
+                      branch=meta.branch, nodes=meta.nodes)
         return cls(**{**fields, **changes})
 
     def validate(self) -> None:
@@ -107,6 +114,15 @@ class Settings:
             raise ValueError(f"gamma_policy must be one of {', '.join(POLICIES)}, got {self.gamma_policy!r}")
         if self.drafter not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {self.drafter!r}")
+        if not is_int(self.branch) or not 1 <= self.branch <= MAX_BRANCH:
+            raise ValueError(f"branch (children per drafted node) must be an integer in [1, {MAX_BRANCH}], "
+                             f"got {self.branch!r}")
+        if self.branch > 1 and not DRAFTER_KINDS[self.drafter].trees:
+            raise ValueError(f"the {self.drafter} drafter drafts chains: branch > 1 needs one of "
+                             f"{', '.join(k for k, kind in DRAFTER_KINDS.items() if kind.trees)}")
+        if not is_int(self.nodes) or not 0 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"nodes (drafts verified per round, 0 = all) must be an integer in [0, {MAX_NODES}], "
+                             f"got {self.nodes!r}")
         if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise ValueError(
                 f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens!r}"
@@ -134,7 +150,7 @@ def check_fits(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> No
     limits = [getattr(m.config, "max_position_embeddings", None) for m in (pair.target, pair.draft)]
     limit = min((n for n in limits if n), default=None)
     gamma = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_max
-    need = len(prompt_ids) + settings.max_new_tokens + gamma
+    need = len(prompt_ids) + settings.max_new_tokens + gamma  # a tree's drafts are γ positions deep at most
     if limit is not None and need > limit:
         raise ValueError(f"the prompt is {len(prompt_ids)} tokens; with {settings.max_new_tokens} new tokens and "
                          f"γ = {gamma} that needs {need} positions, more than the models' {limit}")
@@ -237,6 +253,8 @@ def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], se
         versions=_versions(),
         machine=machine_name(pair.device),
         dtype_reason=pair.dtype_reason,
+        branch=settings.branch if speculative else 1,
+        nodes=settings.nodes if speculative and settings.branch > 1 else 0,
     )
 
 
@@ -253,42 +271,46 @@ def finish_reason(new: list[int], generated: int, max_new_tokens: int, eos_ids) 
     return "length" if generated >= max_new_tokens else None
 
 
-def _round_tokens(proposal, p_logits, p, verdict, n, stop_at, params, record_top, text):
-    """The round's drafted tokens and its correction or bonus token, as events.
+def _round_tokens(proposal, p_logits, p, verdict, path, stop_at, params, record_top, text):
+    """The round's drafted nodes and its correction or bonus token, as events. path: the kept nodes.
 
     What the viewer sees is the rule's p and q, or the plain softmax when greedy.
     """
-    gamma = proposal.tokens.shape[0]
+    gamma, parents = proposal.tokens.shape[0], proposal.tree
     if params.greedy:
         p_show = p_logits.softmax(-1)
         q_show = proposal.logits.softmax(-1) if proposal.logits is not None else proposal.q
     else:
         p_show, q_show = p, proposal.q
-    rows = torch.arange(gamma, device=p.device)
-    p_d = p_show[rows, proposal.tokens].tolist()
-    q_d = q_show[rows, proposal.tokens].tolist()
+    nodes = torch.arange(gamma, device=p.device)
+    p_rows = torch.tensor([parent + 1 for parent in parents], dtype=torch.long, device=p.device)  # p at the parent
+    p_d = p_show[p_rows, proposal.tokens].tolist()
+    q_d = q_show[nodes, proposal.tokens].tolist()
+    end = path[-1] if path else -1  # the node the walk ended at (-1: the root)
+    # a rejection shows where it was tested below the kept path; under an accepted EOS the text has ended
+    tested = {-1, *path} - ({end} if stop_at is not None else set())
+    corrected = verdict.rejected[-1] if verdict.rejected and parents[verdict.rejected[-1]] == end else None
     drafted = []
     for i, tok in enumerate(proposal.tokens.tolist()):
-        status = ACCEPTED if i < n else REJECTED if i == n and stop_at is None else UNVERIFIED
+        status = ACCEPTED if i in path else REJECTED if i in verdict.rejected and parents[i] in tested else UNVERIFIED
         top = []
         if record_top:
-            rejected_sampled = status == REJECTED and not params.greedy
-            residual = residual_distribution(p[i], proposal.q[i]) if rejected_sampled else None
-            top = _top_tokens(p_show[i], q_show[i], residual, tok, record_top, text)
+            residual = verdict.residual if i == corrected and not params.greedy else None
+            top = _top_tokens(p_show[parents[i] + 1], q_show[i], residual, tok, record_top, text)
         u = verdict.u[i] if status != UNVERIFIED else None
-        drafted.append(DraftedToken(tok, text(tok), q_d[i], p_d[i], verdict.accept_probs[i], u, status, top))
+        score = proposal.scores[i] if proposal.scores is not None else None
+        drafted.append(DraftedToken(tok, text(tok), q_d[i], p_d[i], verdict.accept_probs[i], u, status, top, score))
     extra = None
     if stop_at is None:
         nt = verdict.next_token
-        q_extra = float(q_show[n, nt]) if n < gamma else None
-        kind = CORRECTION if n < gamma else BONUS if gamma else TARGET  # nothing drafted: a plain step
+        children = [i for i, parent in enumerate(parents) if parent == end]
+        q_extra = float(q_show[children[0], nt]) if children else None
+        kind = CORRECTION if children else BONUS if gamma else TARGET  # nothing drafted: a plain step
         top = []
         if record_top:  # the candidates at this position too: where two runs part, the size of the tie
-            top = _top_tokens(p_show[n], q_show[n] if n < gamma else None, None, nt, record_top, text)
-        extra = ExtraToken(nt, text(nt), kind, float(p_show[n, nt]), q_extra, top)
+            top = _top_tokens(p_show[end + 1], q_show[children[0]] if children else None, None, nt, record_top, text)
+        extra = ExtraToken(nt, text(nt), kind, float(p_show[end + 1, nt]), q_extra, top)
     return drafted, extra
-
-
 
 
 @dataclass(frozen=True)
@@ -300,6 +322,7 @@ class DrafterKind:
     name: Callable[[ModelPair], str]
     make: Callable[[ModelPair, Settings, int], Drafter]
     needs_head: bool = False  # reads the pair's EAGLE head
+    trees: bool = False  # drafts trees (Settings.branch > 1) as well as chains
 
 
 def _head_name(pair: ModelPair) -> str:
@@ -307,8 +330,9 @@ def _head_name(pair: ModelPair) -> str:
     return f"EAGLE head {pair.head_name}" + (f" ({origin})" if origin else "")
 
 
-def _head(pair: ModelPair, capacity: int) -> EagleDrafter:
-    return EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, _head_name(pair))
+def _head(pair: ModelPair, settings: Settings, capacity: int) -> EagleDrafter:
+    return EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, _head_name(pair), settings.branch,
+                        settings.nodes)
 
 
 DRAFTER_KINDS: dict[str, DrafterKind] = {
@@ -317,11 +341,12 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {
     "lookup": DrafterKind("prompt lookup (copies from the prompt, no model)", lambda pair: PromptLookupDrafter.name,
                           lambda pair, s, capacity: PromptLookupDrafter(pair.vocab_size)),
     "eagle": DrafterKind("EAGLE head (reads the target's hidden states)", _head_name,
-                         lambda pair, s, capacity: _head(pair, capacity), needs_head=True),
+                         _head, needs_head=True, trees=True),
     "lookup+eagle": DrafterKind("prompt lookup where the text repeats, EAGLE head elsewhere",
                                 lambda pair: lookup_first_name(_head_name(pair)),
-                                lambda pair, s, capacity: LookupFirstDrafter(_head(pair, capacity), pair.vocab_size),
-                                needs_head=True),
+                                lambda pair, s, capacity: LookupFirstDrafter(_head(pair, s, capacity),
+                                                                             pair.vocab_size),
+                                needs_head=True, trees=True),
 }
 HEAD_DRAFTERS = tuple(name for name, kind in DRAFTER_KINDS.items() if kind.needs_head)
 
@@ -338,10 +363,17 @@ def pad_id(pair: ModelPair) -> int:
     return pad if pad is not None else min(pair.eos_token_ids)
 
 
+def draft_width(settings: Settings) -> int:
+    """The most drafts one round verifies: γ for a chain; a tree's node budget, or all it drafts."""
+    gamma = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_max
+    k = settings.branch
+    drafted = gamma if k == 1 else k + (gamma - 1) * k * k  # EAGLE-2: k children of the k likeliest per level
+    return min(drafted, settings.nodes) if settings.nodes else drafted
+
+
 def _capacity(prompts_ids: list[list[int]], settings: Settings) -> int:
     """Slots a static cache needs for a single run: prompt, new tokens, and one round's overshoot."""
-    gamma = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_max
-    return max(map(len, prompts_ids)) + settings.max_new_tokens + gamma + 2
+    return max(map(len, prompts_ids)) + settings.max_new_tokens + draft_width(settings) + 2
 
 
 @torch.inference_mode()
@@ -396,32 +428,38 @@ def decode(
         proposals = drafter.propose([seqs[r] for r in active], gammas, draft_params, [generators[r] for r in active])
         _sync(device)
         t1 = time.perf_counter()
-        drafted = [p.tokens.shape[0] for p in proposals]  # g_i <= γ_i
+        drafted = [p.tokens.shape[0] for p in proposals]  # g_i drafted nodes (a chain: g_i <= γ_i)
         width = max(drafted) + 1
         verify_rows = [[int(seqs[r][-1])] + p.tokens.tolist() for r, p in zip(active, proposals, strict=True)]
         verify_ids = torch.tensor([v + [pad] * (width - len(v)) for v in verify_rows], device=device)
         verify_real = torch.tensor([[j < len(v) for j in range(width)] for v in verify_rows], device=device)
+        # a tree: each node attends to the prefix and its ancestors, at position length + depth
+        tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
         base = target.width
-        verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden)
-        p_all = logits_to_probs(verify.logits, params)  # [B, g_max+1, V]: p_i = p(. | x, d_<i)
-        verdicts = [accept_or_resample(p_all[i, : g + 1], prop.q, prop.tokens, generators[r], greedy=params.greedy)
+        verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
+        p_all = logits_to_probs(verify.logits, params)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
+        verdicts = [accept_or_resample(p_all[i, : g + 1], prop.q, prop.tokens, generators[r], params.greedy,
+                                       prop.parents)
                     for i, (r, g, prop) in enumerate(zip(active, drafted, proposals, strict=True))]
         _sync(device)
         t2 = time.perf_counter()
 
-        rows = []  # per active row: (drafted tokens, extra, n kept, new ids, finish reason)
+        rows, paths = [], []  # per active row: (drafted tokens, extra, n kept, new ids, finish reason); kept nodes
         for i, (r, g, prop, verdict) in enumerate(zip(active, drafted, proposals, verdicts, strict=True)):
             drafted_ids = prop.tokens.tolist()
-            n, stop_at = kept_drafts(verdict.n_accepted, drafted_ids, pair.eos_token_ids)
-            target.make_holes(i, base + 1 + n, base + width)  # keep x_last and the n kept drafts
-            tokens, extra = _round_tokens(prop, verify.logits[i, : g + 1], p_all[i, : g + 1], verdict, n, stop_at,
+            n, stop_at = kept_drafts(verdict.n_accepted, [drafted_ids[j] for j in verdict.path], pair.eos_token_ids)
+            path = verdict.path[:n]
+            # keep x_last and the kept nodes, moved to the slots after it (a chain's are there already)
+            target.keep(i, base + 1, base + width, [base + 1 + j for j in path])
+            tokens, extra = _round_tokens(prop, verify.logits[i, : g + 1], p_all[i, : g + 1], verdict, path, stop_at,
                                           params, settings.record_top, text)
-            new = drafted_ids[:n] + ([extra.id] if extra else [])
+            new = [drafted_ids[j] for j in path] + ([extra.id] if extra else [])
             seqs[r] = torch.cat([seqs[r], torch.tensor(new, device=device, dtype=seqs[r].dtype)])
             generated[r] += len(new)
             rows.append((tokens, extra, n, new, finish_reason(new, generated[r], settings.max_new_tokens,
                                                                 pair.eos_token_ids)))
-        drafter.verified([row[2] for row in rows], verify.hidden)
+            paths.append(path)
+        drafter.verified([row[2] for row in rows], _along(verify.hidden, paths))
         target.trim()
         target_lens, draft_lens = target.lengths.tolist(), drafter.cache_lens()
         elapsed = 1000 * (time.perf_counter() - start)
@@ -434,6 +472,7 @@ def decode(
                 draft_ms=share * (t1 - t0), verify_ms=share * (t2 - t1), target_cache_len=target_lens[i],
                 draft_cache_len=draft_lens[i] if draft_lens else 0, tokens_so_far=generated[r],
                 elapsed_ms=elapsed, finish_reason=finish, drafted_by=proposals[i].source,
+                parents=list(proposals[i].parents or []),
             )
             indices[r] += 1
             policies[r].observe(event)
@@ -449,6 +488,16 @@ def decode(
         suspended = time.perf_counter()
         yield out
         start += time.perf_counter() - suspended  # the consumer's time between rounds is not the run's
+
+
+def _along(hidden: torch.Tensor | None, paths: list[list[int]]) -> torch.Tensor | None:
+    """hidden [B, w, H] over [x_last, nodes...] -> [B, n_max + 1, H] over [x_last, kept nodes...]."""
+    if hidden is None:
+        return None
+    width = 1 + max(map(len, paths))
+    index = torch.tensor([[0] + [1 + j for j in path] + [0] * (width - 1 - len(path)) for path in paths],
+                         device=hidden.device)
+    return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))
 
 
 def speculative_events(pair: ModelPair, prompt_ids: list[int], settings: Settings,

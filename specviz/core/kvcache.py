@@ -41,15 +41,20 @@ class Backend(Protocol):
     """Where the keys and values live. The KV state does the slot bookkeeping."""
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, start: int,
-                hidden: bool, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ids [B, t] at slots start..start+t-1; real [B, start + t]. (logits [B, t or 1, V],
-        hidden [B, t, H] or None)."""
+                hidden: bool, last_only: bool, visible: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ids [B, t] at slots start..start+t-1; real [B, start + t]; visible [B, t, t]: which of
+        the new slots each new one attends to (a tree; None: causal). (logits [B, t or 1, V], hidden
+        [B, t, H] or None)."""
 
     def crop(self, width: int) -> None:
         """Forget slots from `width` on."""
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only these rows."""
+
+    def move(self, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy one row's entries from slots src to slots dst (a tree's kept path, made consecutive)."""
 
 
 def _hf_outputs(out, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,8 +65,9 @@ class DynamicBackend:
     def __init__(self, model: PreTrainedModel):
         self.model, self.cache = model, DynamicCache(config=model.config)
 
-    def forward(self, ids, positions, real, start, hidden, last_only):
-        out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, real.shape[1]), position_ids=positions,
+    def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
+        out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, real.shape[1], visible),
+                         position_ids=positions,
                          past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
                          logits_to_keep=int(last_only))
         return _hf_outputs(out, hidden)
@@ -72,6 +78,9 @@ class DynamicBackend:
 
     def select(self, index: torch.Tensor) -> None:
         self.cache.batch_select_indices(index)
+
+    def move(self, row, src, dst):
+        _move_layers(self.cache.layers, row, src, dst)
 
 
 class StaticBackend:
@@ -96,11 +105,12 @@ class StaticBackend:
                 layer.keys = torch.nn.functional.pad(layer.keys, (0, 0, 0, pad))
                 layer.values = torch.nn.functional.pad(layer.values, (0, 0, 0, pad))
 
-    def forward(self, ids, positions, real, start, hidden, last_only):
+    def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
         # the cache's length is already `start`: a forward adds its tokens, a rollback sets it
         if real.shape[1] > self.capacity:
             self._grow(real.shape[1])
-        out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, self.capacity), position_ids=positions,
+        out = self.model(input_ids=ids, attention_mask=slot_mask(real, start, self.capacity, visible),
+                         position_ids=positions,
                          cache_position=torch.arange(start, real.shape[1], device=ids.device),
                          past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
                          logits_to_keep=int(last_only))
@@ -115,6 +125,9 @@ class StaticBackend:
                 layer.keys, layer.values = layer.keys[index], layer.values[index]
                 layer.batch_size = len(index)
 
+    def move(self, row, src, dst):
+        _move_layers(self.cache.layers, row, src, dst)
+
 
 class NoCacheBackend:
     """Keeps the token ids and positions only; each forward runs the whole sequence again."""
@@ -124,12 +137,13 @@ class NoCacheBackend:
         self.ids: torch.Tensor | None = None  # [B, W]
         self.positions: torch.Tensor | None = None
 
-    def forward(self, ids, positions, real, start, hidden, last_only):
+    def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
         if self.ids is not None:
             ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
         self.ids, self.positions = ids, positions
         t = real.shape[1] - start
-        out = self.model(input_ids=ids, attention_mask=slot_mask(real, 0, real.shape[1]), position_ids=positions,
+        out = self.model(input_ids=ids, attention_mask=slot_mask(real, 0, real.shape[1], visible, start),
+                         position_ids=positions,
                          use_cache=False, output_hidden_states=hidden, logits_to_keep=1 if last_only else t)
         logits, h = _hf_outputs(out, hidden)
         return logits, None if h is None else h[:, -t:]
@@ -141,6 +155,16 @@ class NoCacheBackend:
     def select(self, index: torch.Tensor) -> None:
         if self.ids is not None:
             self.ids, self.positions = self.ids[index], self.positions[index]
+
+    def move(self, row, src, dst):
+        self.ids[row, dst], self.positions[row, dst] = self.ids[row, src], self.positions[row, src]
+
+
+def _move_layers(layers, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """transformers' cache layers, keys and values [B, heads, slots, D]: one row's slots src -> dst."""
+    for layer in layers:
+        for cache in (layer.keys, layer.values):
+            cache[row, :, dst] = cache[row, :, src]
 
 
 def make_backend(model: PreTrainedModel, kind: str, capacity: int, compile: bool = False) -> Backend:
@@ -182,14 +206,20 @@ class KVState:
     def width(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, ids: torch.Tensor, real: torch.Tensor, hidden: bool = False, last_only: bool = False) -> Forward:
+    def forward(self, ids: torch.Tensor, real: torch.Tensor, hidden: bool = False, last_only: bool = False,
+                tree: Tree | None = None) -> Forward:
         """Append ids [B, t] (real [B, t] bool: False marks a hole) and run them; last_only: logits of
-        the last slot only ([B, 1, V]), for a forward whose other positions nobody reads."""
+        the last slot only ([B, 1, V]), for a forward whose other positions nobody reads. tree: the new
+        slots are a tree (each attends to its ancestors; position = length + depth), not a sequence."""
         real = real.bool()
-        positions = (self.lengths[:, None] + real.long().cumsum(1) - 1).clamp_min(0)  # a hole's is never used
+        if tree is None:
+            positions = (self.lengths[:, None] + real.long().cumsum(1) - 1).clamp_min(0)  # a hole's is never used
+        else:
+            positions = self.lengths[:, None] + tree.depth
         start = self.width
         self.mask = torch.cat([self.mask, real], dim=1)
-        logits, h = self.backend.forward(ids, positions, self.mask, start, hidden, last_only)
+        logits, h = self.backend.forward(ids, positions, self.mask, start, hidden, last_only,
+                                         None if tree is None else tree.visible)
         return Forward(at_least_float32(logits[:, :, : self.vocab_size]), h)
 
     def prefill(self, prompts: list[list[int]], pad_id: int, hidden: bool = False) -> Forward:
@@ -201,6 +231,16 @@ class KVState:
     def make_holes(self, row: int, start: int, stop: int) -> None:
         """Slots [start, stop) of a row no longer hold tokens of its sequence."""
         self.mask[row, start:stop] = False
+
+    def keep(self, row: int, start: int, stop: int, slots: list[int]) -> None:
+        """Of a row's slots [start, stop), keep the entries in `slots` (ascending; a tree's kept path),
+        moved to start, start+1, ...; the rest become holes. A chain's kept slots are there already."""
+        dst = list(range(start, start + len(slots)))
+        if slots != dst:
+            device = self.mask.device
+            self.backend.move(row, torch.tensor(slots, device=device), torch.tensor(dst, device=device))
+        self.mask[row, start : start + len(slots)] = True
+        self.mask[row, start + len(slots) : stop] = False
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch)."""
@@ -215,6 +255,30 @@ class KVState:
         if width < self.width:
             self.backend.crop(width)
             self.mask = self.mask[:, :width]
+
+
+@dataclass
+class Tree:
+    """B rows of t new slots as trees: slot 0 is each row's root (its last kept token)."""
+
+    depth: torch.Tensor  # [B, t] slots from the root (root 0); position = the row's length + depth
+    visible: torch.Tensor  # [B, t, t] bool: slot i attends to slot j (j is i or an ancestor of i)
+
+    @staticmethod
+    def of(parents: list[list[int]], width: int, device: torch.device) -> Tree:
+        """parents[b][i]: the parent of node i (slot 1 + i), -1 for the root; slots past a row's nodes
+        are holes (depth 0, seeing themselves only)."""
+        depth = torch.zeros(len(parents), width, dtype=torch.long)
+        visible = torch.eye(width, dtype=torch.bool).repeat(len(parents), 1, 1)
+        for b, row in enumerate(parents):
+            visible[b, 1 : 1 + len(row), 0] = True
+            for i, parent in enumerate(row):  # parents come first: their rows are complete
+                if parent >= 0:
+                    visible[b, 1 + i] |= visible[b, 1 + parent]
+                    depth[b, 1 + i] = depth[b, 1 + parent] + 1
+                else:
+                    depth[b, 1 + i] = 1
+        return Tree(depth.to(device), visible.to(device))
 
 
 def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Logits to distributions, and the speculative-sampling acceptance rule.
+"""Logits to distributions, and the speculative-sampling acceptance rule, for a chain or a tree.
 
 The rule follows Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative
 Decoding", Algorithm 1) and Chen et al. 2023 ("Accelerating LLM Decoding with Speculative
@@ -6,12 +6,26 @@ Sampling"): a drafted token d drawn from q is kept with probability min(1, p(d) 
 rejection the replacement is drawn from norm(max(0, p - q)). The output is then distributed
 exactly as p, provided p and q were warped (temperature, top-k, top-p) the same way, which is why
 one function, `logits_to_probs`, makes both.
+
+A tree (EAGLE-2, Li et al. 2024; SpecInfer, Miao et al. 2024) gives a node several children, each
+drawn from its own q_j, independently of the others. At a node the rule tries them in order with
+SpecInfer's multi-step speculative sampling: r = p; keep child j with min(1, r(d_j)/q_j(d_j)); if
+rejected, r = norm(max(0, r - q_j)) and try child j+1; if all are rejected, draw from the last r.
+Why it is exact: one try with target r and draft q_j emits d_j ~ q_j kept, else a draw from
+norm(max(0, r - q_j)); if that draw follows the residual, the try emits r exactly (the chain's
+proof: min(r, q_j) + max(0, r - q_j) = r). The last "draw" is one from r itself, and each try is a
+draw from its r as long as the next one is, so by induction from the last child back the node
+emits p. Children chosen deterministically (EAGLE-2 takes the draft's top k) are draws from one-hot
+q_j: the try keeps d_j with r(d_j) and the residual is r with d_j removed, renormalised, so the
+node samples from p by sequential elimination. Once a child is kept the walk moves to it, where
+the same argument holds with that child's p. A chain is a tree whose nodes have one child each,
+and there the rule is Leviathan's, draw for draw.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,12 +92,23 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 @dataclass
 class Verdict:
-    """What the rule decided for one round of γ drafted tokens."""
+    """What the rule decided for one round's drafts (a chain, or a tree of them)."""
 
-    n_accepted: int  # drafted tokens kept, 0..γ
-    next_token: int  # the correction (n_accepted < γ) or the bonus token (n_accepted == γ)
-    accept_probs: list[float]  # min(1, p(d_i) / q(d_i)) for each drafted token, length γ
-    u: list[float | None]  # the uniform draw each tested token got; None where none was drawn
+    path: list[int]  # the kept drafts, root to leaf: node indices in depth order (a chain: 0..n-1)
+    next_token: int  # the correction (every child of the path's end rejected) or the bonus (it has none)
+    accept_probs: list[float]  # per node: min(1, r(d)/q(d)) when tested, else min(1, p(d)/q(d)) at its parent
+    u: list[float | None]  # the uniform draw each tested node got; None where none was drawn
+    rejected: list[int] = field(default_factory=list)  # nodes tested and rejected, in the order tested
+    residual: torch.Tensor | None = None  # [V] what the correction was drawn from (sampled rounds)
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
+
+
+def chain_parents(gamma: int) -> list[int]:
+    """A chain as a tree: d_1's parent is the root (-1), d_i's is d_{i-1}."""
+    return list(range(-1, gamma - 1))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -108,35 +133,48 @@ def accept_or_resample(
     draft: torch.Tensor,
     generator: torch.Generator | None,
     greedy: bool = False,
+    parents: list[int] | None = None,
 ) -> Verdict:
-    """One round of the rule. p: target [γ+1, V], q: draft [γ, V], draft: ids [γ].
+    """One round of the rule over g drafted nodes. p: target [g+1, V] (row 0 after the last kept
+    token, row 1+i after node i), q: [g, V] (row i: what node i was drawn from), draft: ids [g],
+    parents: [g] (-1: the root; None: a chain, chain_parents(g)). Parents come before children.
 
-    For i = 1..γ: draw u_i ~ U[0, 1) and keep d_i if u_i < min(1, p_i(d_i) / q_i(d_i)); at the
-    first rejection draw the replacement from norm(max(0, p_i - q_i)) and stop; if all γ are
-    kept, draw the bonus token from p_{γ+1}. Greedy (one-hot p and q) needs no draws: a token is
-    kept exactly when it is the target's argmax, and the replacement is that argmax.
+    Walk from the root with r = p[0]; try the node's children in order: keep child d with
+    probability min(1, r(d)/q(d)) (one uniform u per node, drawn up front); on a rejection set
+    r = norm(max(0, r - q)) and try the next child; once one is kept, move to it with r = its p row.
+    When every child is rejected, the correction is drawn from the last r; at a node without
+    children the bonus is drawn from its p. Greedy (one-hot p and q) needs no draws: a child is
+    kept exactly when it is the target's argmax, and the last token is that argmax.
     """
     gamma = draft.shape[0]
-    positions = torch.arange(gamma, device=draft.device)
-    p_d = p[positions, draft]  # [γ] p_i(d_i)
-    q_d = q[positions, draft]  # [γ] q_i(d_i) > 0, since d_i was drawn from q_i
-    accept_probs = acceptance_probability(p_d, q_d)
+    parents = chain_parents(gamma) if parents is None else parents
+    rows = torch.tensor(parents, dtype=torch.long, device=draft.device) + 1
+    nodes = torch.arange(gamma, device=draft.device)
+    accept_probs = acceptance_probability(p[rows, draft], q[nodes, draft]).tolist()  # as if tested first
+    u_all = [None] * gamma if greedy else torch.rand(gamma, generator=generator, device=draft.device).tolist()
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    path, rejected, u_used = [], [], [None] * gamma
+    node, r, residual = -1, p[0], None
+    while True:
+        kept = None
+        for child in children.get(node, []):
+            ratio = float(acceptance_probability(r[draft[child]], q[child, draft[child]])) if residual is not None \
+                else accept_probs[child]  # the first child tests against p itself
+            accept_probs[child], u_used[child] = ratio, u_all[child]
+            if (ratio >= 1.0) if greedy else (u_all[child] < ratio):
+                kept = child
+                break
+            rejected.append(child)
+            if not greedy:
+                r = residual = residual_distribution(r, q[child])
+        if kept is None:
+            break
+        path.append(kept)
+        node, r, residual = kept, p[kept + 1], None
     if greedy:
-        kept = accept_probs >= 1.0
-        u_all: list[float | None] = [None] * gamma
+        next_token = int(r.argmax())
     else:
-        u = torch.rand(gamma, generator=generator, device=draft.device)
-        kept = u < accept_probs
-        u_all = u.tolist()
-    kept_list = kept.tolist()
-    n_accepted = kept_list.index(False) if False in kept_list else gamma
-    u_used = [u_all[i] if i <= n_accepted else None for i in range(gamma)]
-    if n_accepted < gamma:
-        if greedy:
-            next_token = int(p[n_accepted].argmax())
-        else:
-            residual = residual_distribution(p[n_accepted], q[n_accepted])
-            next_token = int(sample(residual, generator))
-    else:
-        next_token = int(p[gamma].argmax()) if greedy else int(sample(p[gamma], generator))
-    return Verdict(n_accepted, next_token, accept_probs.tolist(), u_used)
+        next_token = int(sample(r, generator))
+    return Verdict(path, next_token, accept_probs, u_used, rejected, residual)

@@ -235,8 +235,10 @@ class EagleHead(nn.Module):
         return outputs
 
     def step(self, cache: HeadCache, tokens: torch.Tensor, g: torch.Tensor, slots: torch.Tensor,
-             positions: torch.Tensor, lean: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write entries (g, token) [B, t] at cache slots [B, t] and attend over slots <= position.
+             positions: torch.Tensor, lean: bool = True, visible: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write entries (g, token) [B, t] at cache slots [B, t] and attend over slots <= position, or,
+        for a tree's entries, over the slots visible [B, t, C + 1] says (the real ones and the ancestors').
 
         Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N]."""
         lin = self._linears(lean)
@@ -244,7 +246,8 @@ class EagleHead(nn.Module):
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
         cache.keys[rows, slots] = k.transpose(1, 2)  # [B, t, kv, hd] into [B, C, kv, hd]
         cache.values[rows, slots] = v.transpose(1, 2)
-        mask = cache.slot_index <= positions[..., None]  # [B, t, C]: entries are contiguous from 0
+        # [B, t, C]: entries are contiguous from 0
+        mask = cache.slot_index <= positions[..., None] if visible is None else visible
         attended = F.scaled_dot_product_attention(
             q, cache.keys.transpose(1, 2), cache.values.transpose(1, 2), attn_mask=mask[:, None],
             enable_gqa=self.config.heads != self.config.kv_heads)

@@ -46,12 +46,14 @@ CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
 log = logging.getLogger("specviz")
 
 
-def slot_mask(real: torch.Tensor, start: int, kv_len: int) -> torch.Tensor:
+def slot_mask(real: torch.Tensor, start: int, kv_len: int, visible: torch.Tensor | None = None,
+              first: int | None = None) -> torch.Tensor:
     """[B, 1, t, kv_len] bool, True = may attend, for queries in slots start..start+t-1.
 
     real: [B, start + t], which slots hold tokens. A query sees real slots up to its own; a
     hole's query also sees itself, so no row of the mask is empty (an empty row gives NaN that
-    would reach the cache).
+    would reach the cache). visible [B, n, n]: a tree of n slots from slot `first` (default start)
+    to the end, where a query sees only the slots visible says (itself and its ancestors) among them.
     """
     batch, width = real.shape
     cols = torch.arange(kv_len, device=real.device)
@@ -59,6 +61,10 @@ def slot_mask(real: torch.Tensor, start: int, kv_len: int) -> torch.Tensor:
     padded = torch.zeros(batch, kv_len, dtype=torch.bool, device=real.device)
     padded[:, :width] = real
     mask = (cols <= q_slot)[None] & padded[:, None, :]  # [B, t, kv_len]
+    if visible is not None:
+        first = start if first is None else first
+        n = width - first
+        mask[:, first - start :, first:width] &= visible[:, :n, :n]
     return (mask | (cols == q_slot)[None])[:, None]
 
 
@@ -353,7 +359,7 @@ class LeanCache:
         return t
 
     @torch.inference_mode()
-    def forward(self, ids, positions, real, start, hidden, last_only):
+    def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
         batch, t = ids.shape
         width = self._width(t)
         if width > t:  # pad with holes: their slots are written, attended by nothing, and overwritten later
@@ -362,19 +368,20 @@ class LeanCache:
             ids = F.pad(ids, (0, pad)).clone(memory_format=torch.contiguous_format)
             positions = F.pad(positions, (0, pad)).clone(memory_format=torch.contiguous_format)
             real = F.pad(real, (0, pad))
+            visible = None if visible is None else F.pad(visible, (0, pad, 0, pad))
         self._reserve(batch, start + width, self.lean.embed.weight)
         slots = torch.arange(start, start + width, device=ids.device)
         out = None
         if self.compile and self.lean.compiled is not None and width in WIDTHS:
             # attention spans the whole cache; hidden states always, so one graph per width serves
             # drafters that read them and those that do not
-            args = (ids, positions, slot_mask(real, start, self.capacity), slots, self.keys, self.values,
+            args = (ids, positions, slot_mask(real, start, self.capacity, visible), slots, self.keys, self.values,
                     self.capacity, True, True)
             out = self.lean.run_compiled(args)  # None: compiling was given up, run eager
         if out is None:
             end = start + width
-            out = self.lean(ids, positions, slot_mask(real, start, end), slots, self.keys, self.values, end, True,
-                            hidden, last_only and width == t)
+            out = self.lean(ids, positions, slot_mask(real, start, end, visible), slots, self.keys, self.values, end,
+                            True, hidden, last_only and width == t)
         logits, h = out
         if logits.shape[1] == width:  # every slot's logits: the real tokens' are the first t
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
@@ -382,6 +389,11 @@ class LeanCache:
 
     def crop(self, width: int) -> None:
         pass  # the next forward writes from `width` on; the mask hides what lies beyond
+
+    def move(self, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy a row's keys and values from slots src to slots dst (a tree's kept path to consecutive slots)."""
+        for cache in self.keys + self.values:
+            cache[row, :, dst] = cache[row, :, src]
 
     def select(self, index: torch.Tensor) -> None:
         self.keys = [k[index] for k in self.keys]

@@ -56,15 +56,19 @@ class Preset:
     drafter: str = "model"
     gamma: int = 4
     gamma_policy: str = "fixed"
-    # (drafter, γ, tokens per round) measured on the held-out prompts, greedy: a property of the pair
-    # and the text, not the machine. Where given, the first run's drafter and γ are the ones with the
-    # best expected speedup on the machine that runs (costs.py), not `drafter` and `gamma` above.
-    tokens_per_round: tuple[tuple[str, int, float], ...] = ()
+    branch: int = 1
+    nodes: int = 0
+    # (drafter, γ, tokens per round[, branch, nodes]) measured on the held-out prompts, greedy: a property
+    # of the pair and the text, not the machine. Where given, the first run's drafter and shape are the
+    # ones with the best expected speedup on the machine that runs (costs.py), not the fields above.
+    tokens_per_round: tuple[tuple, ...] = ()
 
-    def taus(self) -> dict[str, dict[int, float]]:
-        out: dict[str, dict[int, float]] = {}
-        for drafter, gamma, tau in self.tokens_per_round:
-            out.setdefault(drafter, {})[gamma] = tau
+    def taus(self) -> dict[str, dict[tuple[int, int, int], float]]:
+        """drafter -> (γ, branch, nodes) -> tokens per round; a chain is (γ, 1, 0)."""
+        out: dict[str, dict[tuple[int, int, int], float]] = {}
+        for drafter, gamma, tau, *tree in self.tokens_per_round:
+            branch, nodes = tree or (1, 0)
+            out.setdefault(drafter, {})[gamma, branch, nodes] = tau
         return out
 
 
@@ -91,6 +95,11 @@ PRESETS: dict[str, Preset] = {
                 ("lookup+eagle", 4, 2.10), ("eagle", 1, 1.46), ("eagle", 2, 1.67), ("eagle", 3, 1.79),
                 ("eagle", 4, 1.95), ("lookup", 2, 1.29), ("lookup", 4, 1.41), ("model", 1, 1.22),
                 ("model", 2, 1.29), ("model", 4, 1.32),
+                # trees (γ deep, branch, nodes), "mean tokens/round" of: bench --dtype float32 --drafters
+                #   lookup+eagle --eagle-gammas 2,3 --trees 3x2:4,2x4:6,3x4:8,4x4:8,5x4:12,5x4:16 --temperatures 0
+                #   --policies '' --batch 0 --max-new-tokens 64 --step-caches static --repeats 2 (2026-11-25)
+                ("lookup+eagle", 3, 2.11, 2, 4), ("lookup+eagle", 2, 2.03, 4, 6), ("lookup+eagle", 3, 2.28, 4, 8),
+                ("lookup+eagle", 4, 2.42, 4, 8), ("lookup+eagle", 5, 2.59, 4, 12), ("lookup+eagle", 5, 2.60, 4, 16),
             ),
         ),
         Preset("opt-350m", "facebook/opt-350m", "facebook/opt-125m", "OPT 350M <- 125M"),

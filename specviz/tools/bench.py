@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from statistics import median
 
 from ..core.events import Run
-from ..core.generator import HEAD_DRAFTERS, Settings, make_meta, speculative_events
+from ..core.generator import HEAD_DRAFTERS, Settings, draft_width, make_meta, speculative_events
 from ..models.loading import ModelPair
 from ..view import charts
 from ..view.rendering import stats_html, stream_html
@@ -155,6 +155,8 @@ class BenchRow:
     mean_gamma: float | None = None  # drafted tokens per round, for adaptive policies
     cache: str = "static"
     seed: int = 0  # sampled runs: one seed's text is one draw, so a bench may run several (a row each)
+    tree: str = ""  # a tree's shape "γxbranch:nodes" (nodes 0: all drafted); "" for a chain
+    depth_alpha: list[float] = field(default_factory=list)  # P(depth d kept | depth d - 1 kept), d = 1..
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -211,18 +213,22 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
     from ..core.theory import cost_ratio, speedup_bound
 
     spec, base = _median_run(specs), _median_run(bases)
+    kept = [e.n_accepted for e in spec.events if e.gamma]  # rounds that drafted
     tps = [r.tokens_per_s for r in specs]
     c = cost_ratio(spec, base)
     alpha = spec.acceptance_rate
     # The bound assumes i.i.d. acceptance at a fixed γ from a drafter with a cost: not lookup (copies are
     # kept in runs), not adaptive γ.
-    bounded = "lookup" not in settings.drafter and settings.gamma_policy == "fixed"
+    bounded = "lookup" not in settings.drafter and settings.gamma_policy == "fixed" and settings.branch == 1
     bound = speedup_bound(alpha, settings.gamma, c) if bounded and alpha is not None and c is not None else None
     speedup = median(s.tokens_per_s / b.tokens_per_s for s, b in zip(specs, bases, strict=True))
     row = BenchRow(category, prompt, settings.temperature, settings.gamma, alpha, spec.tokens_per_round, c,
                    median(r.tokens_per_s for r in bases), median(tps), speedup, bound,
                    speedup / bound if bound else None, tps_spread=(max(tps) - min(tps)) / median(tps),
-                   drafter=settings.drafter, policy=settings.gamma_policy, cache=settings.cache, seed=settings.seed)
+                   drafter=settings.drafter, policy=settings.gamma_policy, cache=settings.cache, seed=settings.seed,
+                   tree=tree_label(settings),
+                   depth_alpha=[sum(n >= d for n in kept) / max(1, sum(n >= d - 1 for n in kept))
+                                for d in range(1, settings.gamma + 1)])
     if hf_plain:
         row.hf_plain_tps = median(t for t, _ in hf_plain)
         row.speedup_vs_best = median(s.tokens_per_s / max(b.tokens_per_s, h)
@@ -247,14 +253,16 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                max_new_tokens: int, repeats: int, with_hf: bool = True, progress=print,
                drafters: tuple[str, ...] = ("model", "lookup"), lookup_gammas: list[int] | None = None,
                policies: tuple[str, ...] = ("grow-shrink", "expected"), cache: str = "static",
-               compile: bool = False, eagle_gammas: list[int] | None = None, seeds: int = 1) -> list[BenchRow]:
+               compile: bool = False, eagle_gammas: list[int] | None = None, seeds: int = 1,
+               trees: list[tuple[int, int, int]] = ()) -> list[BenchRow]:
     """Per prompt and temperature, `repeats` blocks, each timing back to back: HF plain `generate`,
     specviz's baseline, then every setting (each drafter over its γ sweep with HF's assisted
     generation or prompt lookup at the same γ, then each adaptive policy with its defaults).
     This VM's speed drifts by tens of percent between runs, so ratios are taken within a block
     and their median reported. A temperature above 0 runs each prompt with seeds 0..seeds-1, a
     row each: two drafters decode different samples, and a median over a few prompts' single
-    samples says more about those texts than about the drafters."""
+    samples says more about those texts than about the drafters. Each head drafter also runs every
+    tree shape (γ, branch, nodes) in `trees`."""
     from ..core.generator import generate
     from ..models.loading import encode_prompt
 
@@ -264,6 +272,9 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
         for gamma in sweep[drafter]:
             generate(pair, first, Settings(gamma=gamma, max_new_tokens=gamma + 4, record_top=0, drafter=drafter,
                                            cache=cache, compile=compile))
+        for gamma, branch, nodes in trees if drafter in HEAD_DRAFTERS else ():
+            generate(pair, first, Settings(gamma=gamma, branch=branch, nodes=nodes, max_new_tokens=gamma + 4,
+                                           record_top=0, drafter=drafter, cache=cache, compile=compile))
     generate(pair, first, Settings(max_new_tokens=8, record_top=0, cache=cache, compile=compile), mode="baseline")
     rows = []
     for category, texts in prompts.items():
@@ -273,6 +284,8 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                 base_settings = Settings(gamma=1, temperature=temperature, max_new_tokens=max_new_tokens,
                                          record_top=0, cache=cache, compile=compile, seed=seed)
                 settings_list = [replace(base_settings, gamma=g, drafter=d) for d in drafters for g in sweep[d]]
+                settings_list += [replace(base_settings, gamma=g, branch=k, nodes=n, drafter=d)
+                                  for d in drafters if d in HEAD_DRAFTERS for g, k, n in trees]
                 settings_list += [replace(base_settings, gamma=Settings.gamma, gamma_policy=p, drafter=d)
                                   for d in drafters for p in policies]
                 bases, hf_plain = [], []
@@ -290,8 +303,9 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                 for settings, spec_runs, hf in zip(settings_list, specs, hfs, strict=True):
                     rows.append(_spec_row(category, prompt, settings, spec_runs, bases, hf_plain, hf))
                     label = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_policy
-                    progress(f"{category} T={temperature:g} seed {seed} {settings.drafter} γ={label}: "
-                             f"α={_fmt(rows[-1].alpha)} "
+                    tree = f" tree {rows[-1].tree}" if rows[-1].tree else ""
+                    progress(f"{category} T={temperature:g} seed {seed} {settings.drafter} γ={label}{tree}: "
+                             f"α={_fmt(rows[-1].alpha)} tokens/round {rows[-1].tokens_per_round:.2f} "
                              f"speedup {rows[-1].speedup:.2f}x, vs the faster baseline "
                              f"{_fmt(rows[-1].speedup_vs_best)}x")
     return rows
@@ -335,7 +349,35 @@ def bench_batch(pair: ModelPair, prompts: list[str], drafter: str, gamma: int, m
                     median(batch_tps) / median(seq_tps), identical)
 
 
+def tree_label(settings: Settings) -> str:
+    """A tree's shape as bench tables show it, "γxbranch:nodes"; "" for a chain."""
+    return f"{settings.gamma}x{settings.branch}:{settings.nodes}" if settings.branch > 1 else ""
+
+
+def parse_trees(text: str) -> list[tuple[int, int, int]]:
+    """"4x4:8,3x2:4" -> [(4, 4, 8), (3, 2, 4)] (γ deep, branch children per node, nodes verified; 0 = all)."""
+    shapes = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        try:
+            depth, rest = item.split("x")
+            branch, nodes = rest.split(":") if ":" in rest else (rest, "0")
+            shapes.append((int(depth), int(branch), int(nodes)))
+        except ValueError:
+            raise ValueError(f"a tree is γxbranch:nodes, for example 4x4:8; got {item!r}") from None
+    return shapes
+
+
+def _shape_of(tree: str) -> tuple[int, int]:
+    """(branch, nodes) of a tree label; (1, 0) for a chain's."""
+    if not tree:
+        return 1, 0
+    _, branch, nodes = parse_trees(tree)[0]
+    return branch, nodes
+
+
 def _gamma_label(r: BenchRow) -> str:
+    if r.tree:
+        return f"tree {r.tree}"
     return str(r.gamma) if r.policy == "fixed" else f"{r.policy} (mean {r.mean_gamma:.1f})"
 
 
@@ -369,10 +411,12 @@ def summary_by_setting(rows: list[BenchRow]) -> str:
     lines = ["| drafter | T | γ | median α | median tokens/round | mean tokens/round | median c | median speedup "
              "| median vs faster baseline | median bound | median efficiency | median specviz / HF |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r.drafter, r.temperature, r.policy != "fixed", r.policy, r.gamma) for r in rows})
-    for drafter, t, _, policy, g in keys:
-        sel = [r for r in rows if (r.drafter, r.temperature, r.policy, r.gamma) == (drafter, t, policy, g)]
+    keys = sorted({(r.drafter, r.temperature, r.policy != "fixed", r.policy, r.tree, r.gamma) for r in rows})
+    for drafter, t, _, policy, tree, g in keys:
+        sel = [r for r in rows
+               if (r.drafter, r.temperature, r.policy, r.tree, r.gamma) == (drafter, t, policy, tree, g)]
         label = str(g) if policy == "fixed" else f"{policy} (mean {_median(r.mean_gamma for r in sel):.1f})"
+        label = f"tree {tree}" if tree else label
         lines.append(f"| {drafter} | {t:g} | {label} | {_fmt(_median(r.alpha for r in sel))} | "
                      f"{_fmt(_median(r.tokens_per_round for r in sel))} | "
                      f"{sum(r.tokens_per_round for r in sel) / len(sel):.2f} | {_fmt(_median(r.c for r in sel))} | "
@@ -403,7 +447,7 @@ def adaptive_summary(rows: list[BenchRow]) -> str:
     lines = ["| drafter | T | best fixed γ | its median speedup | policy | median speedup | policy / best fixed |",
              "|---|---|---|---|---|---|---|"]
     for drafter, t in sorted({(r.drafter, r.temperature) for r in rows}):
-        fixed = [r for r in rows if (r.drafter, r.temperature, r.policy) == (drafter, t, "fixed")]
+        fixed = [r for r in rows if (r.drafter, r.temperature, r.policy, r.tree) == (drafter, t, "fixed", "")]
         by_gamma = {g: _median(r.speedup for r in fixed if r.gamma == g) for g in {r.gamma for r in fixed}}
         if not by_gamma:
             continue
@@ -421,10 +465,34 @@ def category_summary(rows: list[BenchRow]) -> str:
     greedy = [r for r in rows if r.temperature == 0 and r.policy == "fixed"]
     lines = ["| category | drafter | γ | median speedup | median α | median tokens/round |",
              "|---|---|---|---|---|---|"]
-    for category, drafter, g in sorted({(r.category, r.drafter, r.gamma) for r in greedy}):
-        sel = [r for r in greedy if (r.category, r.drafter, r.gamma) == (category, drafter, g)]
-        lines.append(f"| {category} | {drafter} | {g} | {_median(r.speedup for r in sel):.2f}x | "
+    for category, drafter, tree, g in sorted({(r.category, r.drafter, r.tree, r.gamma) for r in greedy}):
+        sel = [r for r in greedy if (r.category, r.drafter, r.tree, r.gamma) == (category, drafter, tree, g)]
+        lines.append(f"| {category} | {drafter} | {f'tree {tree}' if tree else g} | "
+                     f"{_median(r.speedup for r in sel):.2f}x | "
                      f"{_fmt(_median(r.alpha for r in sel))} | {_median(r.tokens_per_round for r in sel):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def tree_summary(rows: list[BenchRow]) -> str:
+    """Every chain and tree of the head drafters, per temperature, best first: mean tokens per round,
+    acceptance by depth (of rounds that kept d - 1 drafts, the share that kept d), median speedups."""
+    lines = ["| drafter | T | shape | verify width | mean tokens/round | α by depth | median speedup "
+             "| median vs faster baseline |", "|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple, list[BenchRow]] = {}
+    for r in rows:
+        if r.drafter in HEAD_DRAFTERS and r.policy == "fixed":
+            groups.setdefault((r.drafter, r.temperature, r.tree, r.gamma), []).append(r)
+
+    def best(sel: list[BenchRow]) -> float:
+        return _median(r.speedup_vs_best if r.speedup_vs_best is not None else r.speedup for r in sel) or 0.0
+
+    for (drafter, t, tree, g), sel in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -best(kv[1]))):
+        depths = [_median(r.depth_alpha[d] for r in sel if len(r.depth_alpha) > d) for d in range(g)]
+        branch, nodes = _shape_of(tree)
+        width = draft_width(Settings(gamma=g, branch=branch, nodes=nodes, drafter="eagle")) + 1
+        lines.append(f"| {drafter} | {t:g} | {f'tree {tree}' if tree else f'chain γ = {g}'} | {width} | "
+                     f"{sum(r.tokens_per_round for r in sel) / len(sel):.2f} | {', '.join(map(_fmt, depths))} | "
+                     f"{_fmt(_median(r.speedup for r in sel))}x | {_fmt(_median(r.speedup_vs_best for r in sel))}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -440,7 +508,7 @@ def batch_table(batch_rows: list[BatchRow]) -> str:
 
 def best_gamma(rows: list[BenchRow], drafter: str, temperature: float = 0.0) -> int | None:
     """The fixed γ with the best median speedup over prompts."""
-    fixed = [r for r in rows if (r.drafter, r.temperature, r.policy) == (drafter, temperature, "fixed")]
+    fixed = [r for r in rows if (r.drafter, r.temperature, r.policy, r.tree) == (drafter, temperature, "fixed", "")]
     by_gamma = {g: _median(r.speedup for r in fixed if r.gamma == g) for g in {r.gamma for r in fixed}}
     return max(by_gamma, key=by_gamma.get) if by_gamma else None
 
@@ -455,7 +523,7 @@ def speedup_chart(rows: list[BenchRow]):
         dash = "solid" if t == 0 else "dash"
 
         def line(name: str, drafter: str, value, colour: str, mode: str = "lines+markers", t=t, dash=dash) -> None:
-            sel = [r for r in rows if (r.temperature, r.drafter, r.policy) == (t, drafter, "fixed")]
+            sel = [r for r in rows if (r.temperature, r.drafter, r.policy, r.tree) == (t, drafter, "fixed", "")]
             gammas = sorted({r.gamma for r in sel})
             y = [_median(value(r) for r in sel if r.gamma == g) for g in gammas]
             if any(v is not None for v in y):
@@ -515,7 +583,9 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
         f"`{command}`\n\n{env_line}\n\n"
         + (f"### Forward passes\n\n{step_table(steps)}\n" if steps else "")
         + f"### By setting\n\n{summary_by_setting(rows)}\n"
-        f"### specviz's baseline against Hugging Face `generate`\n\n{baseline_summary(rows)}\n"
+        + (f"### Chains and trees: tokens per round, acceptance by depth, speedup\n\n{tree_summary(rows)}\n"
+           if any(r.tree for r in rows) else "")
+        + f"### specviz's baseline against Hugging Face `generate`\n\n{baseline_summary(rows)}\n"
         f"### Adaptive γ against the best fixed γ\n\n{adaptive_summary(rows)}\n"
         f"### By prompt category (greedy)\n\n{category_summary(rows)}\n"
         + (f"### Batch against one after another (greedy)\n\n{batch_table(batch_rows)}\n" if batch_rows else "")

@@ -20,6 +20,7 @@ from ..core.generator import (
     check_drafter,
     check_fits,
     compile_by_default,
+    draft_width,
     drafter_name,
     generate,
     validate_prompt,
@@ -47,6 +48,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "(n-grams); eagle: the target's EAGLE head (reads its hidden states; the offline preset "
                         "ships one); lookup+eagle: lookup where the text repeats itself (3 or more tokens match), "
                         "the head elsewhere")
+    g.add_argument("--branch", type=int,
+                   help="children per drafted node: 1 = a chain of γ drafts, more = a tree γ deep, verified in one "
+                        "pass (EAGLE-head drafters; default: the shape expected fastest on this machine, else 1)")
+    g.add_argument("--nodes", type=int,
+                   help="a tree's drafts verified per round, the likeliest first (0 = all it drafts; default: with "
+                        "the shape chosen for this machine, else 0)")
     g.add_argument("--head", metavar="DIR", help="an EAGLE head for the target (from `distill --kind eagle`)")
     g.add_argument("--gamma-policy", choices=list(POLICIES),
                    help="default: the preset's, else fixed. fixed; grow-shrink: +2 after a fully accepted round, "
@@ -90,7 +97,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gamma=gamma, gamma_policy=args.gamma_policy or first_run.gamma_policy, gamma_max=max(args.gamma_max, gamma),
         drafter=args.drafter or first_run.drafter, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, cache=args.cache, compile=args.compile,
-        draft_greedy=args.draft_greedy,
+        draft_greedy=args.draft_greedy, branch=args.branch or first_run.branch,
+        nodes=args.nodes if args.nodes is not None else first_run.nodes,
     )
     settings.validate()
     for prompt in args.prompt:
@@ -104,13 +112,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress, head=args.head,
                      retune=args.retune)
     chosen_line = ""  # the drafter and γ measured best on this machine, when the preset left them open
-    if preset and args.drafter is None and args.gamma is None and first_run.tokens_per_round:
+    if preset and args.drafter is None and args.gamma is None and args.branch is None and first_run.tokens_per_round:
         from . import costs as machine_costs
 
         choice, costs = machine_costs.first_run(pair, first_run.taus(), progress, args.retune)
         if choice:
-            settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma,
-                               gamma_max=max(args.gamma_max, choice.gamma))
+            settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma, branch=choice.branch,
+                               nodes=choice.nodes, gamma_max=max(args.gamma_max, choice.gamma))
             chosen_line = machine_costs.describe(choice, costs)
     check_drafter(pair, settings)
     prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
@@ -291,10 +299,11 @@ def cmd_kernels(args: argparse.Namespace) -> int:
                                                 args.retune)
         print("expected speedup over plain decoding here, S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + "
               "overhead), τ measured on held-out prompts (the preset), costs on this machine:\n")
-        print("| drafter | γ | τ (tokens per round) | draft ms per token | expected speedup |\n|---|---|---|---|---|")
-        for ch in machine_costs.rank(costs, taus)[:8]:
-            print(f"| {ch.drafter} | {ch.gamma} | {taus[ch.drafter][ch.gamma]:.2f} | "
-                  f"{costs.draft_ms[ch.drafter]:.2f} | {ch.expected:.2f}x |")
+        print("| drafter | γ | tree (children, drafts verified) | τ (tokens per round) | expected speedup |\n"
+              "|---|---|---|---|---|")
+        for ch in machine_costs.rank(costs, taus)[:10]:
+            tree = f"{ch.branch}, {machine_costs.width(ch.shape) - 1}" if ch.branch > 1 else "chain"
+            print(f"| {ch.drafter} | {ch.gamma} | {tree} | {taus[ch.drafter][ch.shape]:.2f} | {ch.expected:.2f}x |")
         print(f"\n{machine_costs.describe(choice, costs)}")
     return 0
 
@@ -357,6 +366,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--lookup-gammas", default="2,4,8", help="comma-separated γ values for prompt lookup")
     b.add_argument("--eagle-gammas", default="2,3,4,6",
                    help="comma-separated γ values for the EAGLE head (eagle and lookup+eagle)")
+    b.add_argument("--trees", default="",
+                   help="comma-separated tree shapes γxbranch:nodes (e.g. 3x2:4,4x4:8: γ deep, branch children per "
+                        "node, nodes verified; 0 = all) run by every EAGLE-head drafter beside its chains")
     b.add_argument("--drafters", default="model,lookup,eagle,lookup+eagle",
                    help="comma-separated: model, lookup, eagle, lookup+eagle (the last two are skipped for a pair "
                         "with no head)")
@@ -396,9 +408,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_pair,
         best_gamma,
         environment,
+        parse_trees,
         step_table,
         step_times,
         summary_by_setting,
+        tree_summary,
         write_results,
     )
     from .prompts import BENCHMARK_PROMPTS
@@ -425,8 +439,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for c in step_caches:
         if c not in CACHE_KINDS:
             raise ValueError(f"--step-caches: {c!r} is not one of {', '.join(CACHE_KINDS)}")
+    trees = parse_trees(args.trees)
     for g in gammas + lookup_gammas + eagle_gammas:
         Settings(gamma=g, max_new_tokens=max_new, cache=args.cache).validate()
+    for g, k, n in trees:
+        Settings(gamma=g, branch=k, nodes=n, drafter="eagle", max_new_tokens=max_new, cache=args.cache).validate()
     pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype, retune=args.retune,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     if pair.head is None and set(drafters) & set(HEAD_DRAFTERS):
@@ -436,13 +453,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     steps = []
     if step_caches:
         first = encode_prompt(pair.tokenizer, next(iter(prompts.values()))[0])
-        steps = step_times(pair, first, step_caches, widths=(1, 3, 5), repeats=5 if args.quick else 30,
+        widths = sorted({1, 3, 5, *(draft_width(Settings(gamma=g, branch=k, nodes=n, drafter="eagle")) + 1
+                                    for g, k, n in trees)})
+        steps = step_times(pair, first, step_caches, widths=tuple(widths), repeats=5 if args.quick else 30,
                            compile=args.compile)
         print(step_table(steps), file=sys.stderr)
     rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
                       progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
                       lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache, compile=args.compile,
-                      eagle_gammas=eagle_gammas, seeds=args.seeds)
+                      eagle_gammas=eagle_gammas, seeds=args.seeds, trees=trees)
     write_results(rows, environment(pair), args.out, command, steps=steps)  # kept even if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...
@@ -454,6 +473,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"batch of {batch}, {drafter}: {batch_rows[-1].ratio:.2f}x one after another", file=sys.stderr)
     paths = write_results(rows, environment(pair), args.out, command, batch_rows, steps)
     print(summary_by_setting(rows))
+    if trees:
+        print(tree_summary(rows))
     print(baseline_summary(rows))
     print(adaptive_summary(rows))
     print("wrote " + ", ".join(paths.values()))

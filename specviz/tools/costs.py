@@ -7,6 +7,10 @@ one-token forward and its bookkeeping per token. So the expected speedup over pl
 
     S(d, γ) = τ_d(γ) · (step + base_overhead) / (verify(γ + 1) + γ · draft_d + overhead_d)
 
+A tree (γ levels deep, `branch` children per node, `nodes` verified) is priced the same way with its
+own measured round: S = τ · (step + base_overhead) / (verify(nodes + 1) + its drafting and bookkeeping
+per round), so the shape chosen is the one this machine's c(k) pays for (issue M).
+
 τ belongs to the pair and the text, not the machine: it is measured on held-out prompts and kept
 in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
 target's forward of k tokens for k = 1..MAX_WIDTH (so c(k) = verify(k) / step), and a short
@@ -31,13 +35,13 @@ from statistics import median
 
 import torch
 
-from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, generate
+from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate
 from ..core.kvcache import KVState
 from ..models import kernels
 from ..models.cachedir import cache_root
 from ..models.loading import ModelPair, encode_prompt
 
-MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4
+MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4 (and at each tree's width)
 CALIBRATION_PROMPT = "The future of AI"
 CALIBRATION_TOKENS = 24
 log = logging.getLogger("specviz")
@@ -55,10 +59,27 @@ class Costs:
     forward_ms: dict[int, float]  # k tokens -> ms of one target forward over a cached prompt
     draft_ms: dict[str, float] = field(default_factory=dict)  # drafter -> ms per drafted token
     overhead_ms: dict[str, float] = field(default_factory=dict)  # drafter ("" = plain decoding) -> ms per round
+    tree_ms: dict[str, float] = field(default_factory=dict)  # tree_key -> drafting and bookkeeping ms per round
+
+    def forward(self, k: int) -> float:
+        """ms of a forward of k tokens: the narrowest measured width that holds k."""
+        return self.forward_ms[min((w for w in self.forward_ms if w >= k), default=max(self.forward_ms))]
 
     def c(self, k: int) -> float:
         """c(k): a forward of k tokens in one-token forwards."""
-        return self.forward_ms[min(k, max(self.forward_ms))] / self.forward_ms[1]
+        return self.forward(k) / self.forward_ms[1]
+
+
+Shape = tuple[int, int, int]  # (γ: depth, branch: children per node, nodes verified; 0 = all); a chain: (γ, 1, 0)
+
+
+def tree_key(drafter: str, shape: Shape) -> str:
+    return f"{drafter} {shape[0]}x{shape[1]}:{shape[2]}"
+
+
+def width(shape: Shape) -> int:
+    """Tokens in the verify forward."""
+    return draft_width(Settings(gamma=shape[0], branch=shape[1], nodes=shape[2], drafter="eagle")) + 1
 
 
 @dataclass(frozen=True)
@@ -66,21 +87,38 @@ class Choice:
     drafter: str
     gamma: int
     expected: float  # S(d, γ), expected speedup over plain decoding on this machine
+    branch: int = 1  # a tree's children per node (1: a chain)
+    nodes: int = 0  # a tree's drafts verified per round (0: all)
+
+    @property
+    def shape(self) -> Shape:
+        return self.gamma, self.branch, self.nodes
+
+    @property
+    def text(self) -> str:
+        if self.branch == 1:
+            return f"{self.drafter} at γ = {self.gamma}"
+        return (f"{self.drafter} as a tree ({self.gamma} deep, {self.branch} children per node, "
+                f"{width(self.shape) - 1} drafts verified)")
 
 
-def expected_speedup(costs: Costs, drafter: str, gamma: int, tokens_per_round: float) -> float:
-    """S(d, γ) of the module docstring."""
+def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round: float) -> float:
+    """S of the module docstring, for a chain (branch 1) or a tree."""
     plain = costs.forward_ms[1] + costs.overhead_ms.get("", 0.0)
-    verify = costs.forward_ms[min(gamma + 1, max(costs.forward_ms))]
-    spec = verify + gamma * costs.draft_ms.get(drafter, 0.0) + costs.overhead_ms.get(drafter, 0.0)
+    if shape[1] == 1:
+        gamma = shape[0]
+        spec = costs.forward(gamma + 1) + gamma * costs.draft_ms.get(drafter, 0.0) + costs.overhead_ms.get(drafter, 0.0)
+    else:
+        spec = costs.forward(width(shape)) + costs.tree_ms[tree_key(drafter, shape)]
     return tokens_per_round * plain / spec
 
 
-def rank(costs: Costs, tokens_per_round: dict[str, dict[int, float]]) -> list[Choice]:
-    """Every (drafter, γ) with a measured τ and a measured cost, best first."""
-    choices = [Choice(d, g, expected_speedup(costs, d, g, tau))
-               for d, by_gamma in tokens_per_round.items() if d in costs.draft_ms
-               for g, tau in by_gamma.items() if g + 1 <= MAX_WIDTH]
+def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]]) -> list[Choice]:
+    """Every (drafter, shape) with a measured τ and a measured cost, best first."""
+    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau), shape[1], shape[2])
+               for d, by_shape in tokens_per_round.items() if d in costs.draft_ms
+               for shape, tau in by_shape.items()
+               if (shape[1] == 1 and shape[0] + 1 <= MAX_WIDTH) or tree_key(d, shape) in costs.tree_ms]
     return sorted(choices, key=lambda ch: -ch.expected)
 
 
@@ -88,9 +126,10 @@ def note(best: Choice | None, costs: Costs | None) -> str:
     """One sentence when nothing is expected to beat plain decoding here, else ''."""
     if best is None or costs is None or best.expected >= 1.0:
         return ""
-    return (f"On this machine no drafter and γ is expected to beat plain decoding: the best, {best.drafter} at "
-            f"γ = {best.gamma}, is expected at {best.expected:.2f}x, because a verify of {best.gamma + 1} tokens "
-            f"costs {costs.c(best.gamma + 1):.2f} one-token steps of {costs.forward_ms[1]:.1f} ms here.")
+    k = width(best.shape)
+    return (f"On this machine no drafter and γ is expected to beat plain decoding: the best, {best.text}, is "
+            f"expected at {best.expected:.2f}x, because a verify of {k} tokens costs {costs.c(k):.2f} one-token "
+            f"steps of {costs.forward_ms[1]:.1f} ms here.")
 
 
 # --- measuring -----------------------------------------------------------------------------------
@@ -127,16 +166,16 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
     return {k: median(v) for k, v in times.items()}
 
 
-def _round_costs(pair: ModelPair, drafter: str, compiled: bool) -> tuple[float, float]:
-    """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2;
-    drafter "" is plain decoding (draft 0)."""
-    settings = Settings(gamma=2, drafter=drafter or "model", max_new_tokens=CALIBRATION_TOKENS, record_top=0,
-                        compile=compiled)
+def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0)) -> tuple[float, float]:
+    """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2; for a
+    tree `shape`, (draft ms per round, bookkeeping ms per round); drafter "" is plain decoding (draft 0)."""
+    settings = Settings(gamma=shape[0], branch=shape[1], nodes=shape[2], drafter=drafter or "model",
+                        max_new_tokens=CALIBRATION_TOKENS, record_top=0, compile=compiled)
     mode = "speculative" if drafter else "baseline"
     generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
     run = generate(pair, CALIBRATION_PROMPT, settings, mode=mode)
     events = run.events[1:] if mode == "baseline" else run.events  # a baseline's first step is the prefill's
-    drafted = sum(e.gamma for e in events)
+    drafted = sum(e.gamma for e in events) if shape[1] == 1 else len(events)
     draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
     spent = run.events[-1].elapsed_ms - run.meta.prefill_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
     return draft, max(spent, 0.0) / max(len(run.events), 1)
@@ -149,16 +188,17 @@ def _file(pair: ModelPair, compiled: bool) -> Path:
 
 
 def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = None, retune: bool = False,
-            compiled: bool | None = None) -> Costs:
-    """This machine's costs for the pair (from the cache unless retune or a drafter is missing)."""
+            compiled: bool | None = None, trees: list[tuple[str, Shape]] = ()) -> Costs:
+    """This machine's costs for the pair (from the cache unless retune or a drafter or tree is missing)."""
     compiled = compile_by_default() if compiled is None else compiled
     drafters = [d for d in drafters if d not in HEAD_DRAFTERS or pair.head is not None]
+    trees = [(d, shape) for d, shape in trees if d in drafters]
     file = _file(pair, compiled)
     if not retune and file.is_file():
         try:
             data = json.loads(file.read_text(encoding="utf-8"))
             costs = Costs(**{**data, "forward_ms": {int(k): v for k, v in data["forward_ms"].items()}})
-            if all(d in costs.draft_ms for d in drafters):
+            if all(d in costs.draft_ms for d in drafters) and all(tree_key(*t) in costs.tree_ms for t in trees):
                 return costs
         except (ValueError, KeyError, TypeError, OSError) as err:
             log.warning("specviz: ignoring unreadable costs %s (%s); measuring again", file, err)
@@ -168,10 +208,14 @@ def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = No
     ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
     costs = Costs(kernels.describe_machine() if pair.device.type == "cpu" else str(pair.device),
                   str(pair.dtype).removeprefix("torch."), compiled,
-                  forward_ms(pair, ids, range(1, MAX_WIDTH + 1), 8, compiled))
+                  forward_ms(pair, ids, sorted({*range(1, MAX_WIDTH + 1), *(width(s) for _, s in trees)}), 8,
+                             compiled))
     for d in ["", *drafters]:
         costs.draft_ms[d], costs.overhead_ms[d] = _round_costs(pair, d, compiled)
     costs.draft_ms.pop("")
+    for d, shape in trees:
+        draft, overhead = _round_costs(pair, d, compiled, shape)
+        costs.tree_ms[tree_key(d, shape)] = draft + overhead
     file.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -183,21 +227,22 @@ def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = No
     return costs
 
 
-def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[int, float]], progress: Progress | None = None,
+def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], progress: Progress | None = None,
               retune: bool = False) -> tuple[Choice | None, Costs | None]:
-    """The best (drafter, γ) for this pair on this machine, with its costs; (None, None) when the pair
+    """The best (drafter, shape) for this pair on this machine, with its costs; (None, None) when the pair
     has no measured τ (then the preset's fixed defaults stand)."""
     if not tokens_per_round:
         return None, None
-    costs = measure(pair, list(tokens_per_round), progress, retune)
+    trees = [(d, shape) for d, by_shape in tokens_per_round.items() for shape in by_shape if shape[1] > 1]
+    costs = measure(pair, list(tokens_per_round), progress, retune, trees=trees)
     ranked = rank(costs, tokens_per_round)
     return (ranked[0] if ranked else None), costs
 
 
 def describe(choice: Choice, costs: Costs) -> str:
     """One line: the chosen drafter and γ, and why (for the CLI and the app's note)."""
-    k = choice.gamma + 1
+    k = width(choice.shape)
     return note(choice, costs) or (
-        f"chosen for this machine: {choice.drafter} at γ = {choice.gamma}, expected {choice.expected:.2f}x over "
+        f"chosen for this machine: {choice.text}, expected {choice.expected:.2f}x over "
         f"plain decoding (a verify of {k} tokens costs {costs.c(k):.2f} one-token steps of "
         f"{costs.forward_ms[1]:.1f} ms here).")

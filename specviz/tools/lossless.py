@@ -61,7 +61,7 @@ def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: 
                 if row not in first:
                     first[row] = event.new_tokens[0]
                     tested += bool(event.drafted) and event.drafted[0].status != "unverified"
-                    kept += bool(event.drafted) and event.drafted[0].status == "accepted"
+                    kept += bool(event.path)  # a draft at the first position was kept (a tree's: any)
             yield start + len(first)
         tokens += [first[row] for row in range(rows)]
     return tokens, tested, kept
@@ -131,23 +131,38 @@ def sample_check_live(pair: ModelPair, prompt: str, settings: Settings, n: int =
 # --- the same, exactly: one round in closed form -------------------------------------------------
 
 
-def emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[V]: P(the round emits x) when d ~ q is kept with min(1, p(d)/q(d)), else x ~ norm(max(0, p − q))."""
-    kept = q * acceptance_probability(p, q)
-    return kept + (1 - kept.sum()) * residual_distribution(p, q)
+def emitted_distribution(p: torch.Tensor, q: torch.Tensor | list[torch.Tensor], broken: bool = False) -> torch.Tensor:
+    """[V]: P(the round emits x first) when d ~ q is kept with min(1, p(d)/q(d)), else x ~ norm(max(0, p − q)).
+    q may be a tree's first level, one q per child tried in order (sampling.py): then a rejected child's
+    residual is the next child's target, and the last residual the draw. broken: resample from p instead of
+    the residual."""
+    qs = [q] if isinstance(q, torch.Tensor) else q
+    if not qs:
+        return p
+    kept = qs[0] * acceptance_probability(p, qs[0])
+    after = p if broken else residual_distribution(p, qs[0])
+    return kept + (1 - kept.sum()) * emitted_distribution(after, qs[1:], broken)
 
 
-def broken_emitted_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def broken_emitted_distribution(p: torch.Tensor, q: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """The same for a rule that, on a rejection, resamples from p instead of the residual."""
-    kept = q * acceptance_probability(p, q)
-    return kept + (1 - kept.sum()) * p
+    return emitted_distribution(p, q, broken=True)
+
+
+def kept_mass(p: torch.Tensor, qs: list[torch.Tensor]) -> float:
+    """The chance one of the first level's drafts is kept (for a chain, Σ_d q(d) min(1, p(d)/q(d)))."""
+    if not qs:
+        return 0.0
+    kept = float((qs[0] * acceptance_probability(p, qs[0])).sum())
+    return kept + (1 - kept) * kept_mass(residual_distribution(p, qs[0]), qs[1:])
 
 
 @torch.inference_mode()
 def first_round_distributions(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> tuple[torch.Tensor,
-                                                                                                   torch.Tensor | None]:
-    """(p, q) [V] in float64 for the first token of a run: the target's warped distribution and the
-    drafter's for its first draft (None if it drafts nothing here), set up as `decode` sets it up."""
+                                                                                                   list[torch.Tensor]]:
+    """(p [V], qs) in float64 for the first token of a run: the target's warped distribution and the q of
+    each draft at the first position, in the order the rule tries them (one for a chain, a tree's first
+    level; none if nothing is drafted here), set up as `decode` sets it up."""
     drafter = make_drafter(pair, settings, "speculative", len(prompt_ids) + 2)
     state = KVState(pair.target, 1, settings.cache, pair.vocab_size, len(prompt_ids) + 2, False)
     prefill = state.prefill([prompt_ids], pad_id(pair), hidden=drafter.requires_hidden)
@@ -158,19 +173,19 @@ def first_round_distributions(pair: ModelPair, prompt_ids: list[int], settings: 
     last = torch.tensor([prompt_ids[-1:]], device=pair.device)  # the verify pass's first position
     logits = state.forward(last, torch.ones_like(last, dtype=torch.bool)).logits[0, -1]
     p = logits_to_probs(logits.double(), settings.sampling)
-    return p, proposal.q[0].double() if proposal.tokens.numel() else None
+    return p, [proposal.q[i].double() for i, parent in enumerate(proposal.tree) if parent < 0]
 
 
 def exact_check(pair: ModelPair, prompt: str, settings: Settings, chat_template: bool = True) -> ExactCheck:
     """One round of the rule for this prompt and these settings, in closed form (module docstring)."""
     started = time.perf_counter()
     (ids,) = encode_prompts(pair, [prompt], settings, chat_template)
-    p, q = first_round_distributions(pair, ids, settings)
-    if q is None:  # no draft: the round is one plain target step, which emits from p itself
+    p, qs = first_round_distributions(pair, ids, settings)
+    if not qs:  # no draft: the round is one plain target step, which emits from p itself
         return ExactCheck(False, 0.0, 0.0, 0.0, time.perf_counter() - started)
-    emitted, broken = emitted_distribution(p, q), broken_emitted_distribution(p, q)
+    emitted, broken = emitted_distribution(p, qs), broken_emitted_distribution(p, qs)
     return ExactCheck(True, float((emitted - p).abs().max()), float((broken - p).abs().max()),
-                      float((q * acceptance_probability(p, q)).sum()), time.perf_counter() - started)
+                      kept_mass(p, qs), time.perf_counter() - started)
 
 
 def float32_recheck(pair: ModelPair, spec: Run) -> Iterator[str | int | None]:

@@ -333,15 +333,15 @@ def race(runs):
 
 
 def page_opened():
-    drafter, gamma, note = first_run_values("offline")
-    return gr.update(value=drafter), gr.update(value=gamma), note
+    drafter, gamma, branch, nodes, note = first_run_values("offline")
+    return gr.update(value=drafter), gr.update(value=gamma), gr.update(value=branch), gr.update(value=nodes), note
 
 
 def preset_changed(preset):
     """Custom boxes shown for a custom pair; a preset's first-run settings (drafter, γ, policy)."""
     boxes = [gr.update(visible=preset == CUSTOM)] * 2
     if preset not in PRESETS:
-        return [*boxes, gr.skip(), gr.skip(), gr.skip()]
-    drafter, gamma, _ = first_run_values(preset)
-    return [*boxes, gr.update(value=drafter), gr.update(value=gamma),
-            gr.update(value=PRESETS[preset].gamma_policy)]
+        return [*boxes, *[gr.skip()] * 5]
+    drafter, gamma, branch, nodes, _ = first_run_values(preset)
+    return [*boxes, gr.update(value=drafter), gr.update(value=gamma), gr.update(value=PRESETS[preset].gamma_policy),
+            gr.update(value=branch), gr.update(value=nodes)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..core.generator import DRAFTER_KINDS, MAX_GAMMA, Settings
+from ..core.generator import DRAFTER_KINDS, MAX_GAMMA, MAX_NODES, Settings, draft_width
 from ..core.generator import validate_prompt as check_prompt
 from ..models.loading import PRESETS, ModelPair, load_pair
 from ..tools.costs import Choice, Costs, describe, first_run
@@ -47,6 +47,7 @@ PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", 
 MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
 MAX_TOKENS_UI = 256 if PUBLIC else 512
 MAX_GAMMA_UI = 8 if PUBLIC else MAX_GAMMA
+MAX_NODES_UI = 31 if PUBLIC else MAX_NODES
 GAMMA_MAX_ADAPTIVE = min(16, MAX_GAMMA_UI)  # the cap an adaptive policy grows to
 MAX_BATCH_UI = 4 if PUBLIC else 8
 MAX_SAMPLES_UI = 2000 if PUBLIC else 20_000
@@ -79,6 +80,8 @@ class Page:
     cache: Any = "static"
     compiled: Any = False
     draft_greedy: Any = False
+    branch: Any = 1
+    nodes: Any = 0
     samples: Any = 1000
     batch_prompts: Any = ""
 
@@ -95,7 +98,8 @@ class Page:
                       top_k=as_int(self.top_k, "top_k"), top_p=as_float(self.top_p, "top_p"),
                       seed=as_int(self.seed, "seed"),
                       max_new_tokens=as_int(self.max_new_tokens, "max_new_tokens"), cache=str(self.cache),
-                      compile=bool(self.compiled), draft_greedy=bool(self.draft_greedy))
+                      compile=bool(self.compiled), draft_greedy=bool(self.draft_greedy),
+                      branch=as_int(self.branch, "branch"), nodes=as_int(self.nodes, "nodes"))
         return Settings(**{**values, **changes})
 
     def pair(self, dtype: str = "auto") -> ModelPair:
@@ -114,6 +118,9 @@ def check_request(prompt: str, settings: Settings) -> None:
         raise ValueError(f"max_new_tokens must be at most {MAX_TOKENS_UI} here, got {settings.max_new_tokens}")
     if settings.gamma > MAX_GAMMA_UI:
         raise ValueError(f"gamma must be at most {MAX_GAMMA_UI} here, got {settings.gamma}")
+    if draft_width(settings) > MAX_NODES_UI:
+        raise ValueError(f"a round may verify at most {MAX_NODES_UI} drafts here; this tree has "
+                         f"{draft_width(settings)}: set 'drafts verified per round' lower")
 
 
 def split_batch(text: str) -> list[str]:
@@ -186,9 +193,12 @@ def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
     return _MACHINE_CHOICES.get(preset)
 
 
-def first_run_values(preset: str) -> tuple[str, int, str]:
-    """(drafter, γ, a note) for a first run of this preset: measured here if already known, else the preset's."""
+def first_run_values(preset: str) -> tuple[str, int, int, int, str]:
+    """(drafter, γ, branch, nodes, a note) for a first run of this preset: measured here if already known,
+    else the preset's."""
     known = _MACHINE_CHOICES.get(preset)
     if known:
-        return known[0].drafter, known[0].gamma, note_html(describe(*known))
-    return PRESETS[preset].drafter, PRESETS[preset].gamma, ""
+        choice = known[0]
+        return choice.drafter, choice.gamma, choice.branch, choice.nodes, note_html(describe(*known))
+    first = PRESETS[preset]
+    return first.drafter, first.gamma, first.branch, first.nodes, ""

@@ -9,11 +9,12 @@ import gradio as gr
 from ..core.events import Run
 from ..view import charts
 from ..view.rendering import diff_html, first_difference, stats_html, stream_html
-from ..view.stages import how_it_works_html, round_stages, stage_html
+from ..view.stages import how_it_works_html, round_stages, stage_html, tree_view
 
 # what a run's handlers fill, in order (app.py maps each name to its component)
 OUTPUT_NAMES = ("status", "spec_html", "base_html", "diff_box", "stats", "fig_rounds", "fig_time", "fig_position",
-                "fig_speedup", "fig_cache", "runs_state", "token_pick", "download", "race_box", "round_box", "how_box")
+                "fig_speedup", "fig_cache", "runs_state", "token_pick", "download", "race_box", "round_box", "how_box",
+                "fig_tree")
 STEP_HINT = ('<div class="sv-note">Step runs one round and pauses on it; Next ▸ (or the key <b>n</b>) shows '
              "its stages one by one: each draft with q, the verify pass with p, each decision, the added "
              "token. Continue runs to the end.</div>")
@@ -29,13 +30,16 @@ class View:
     show_rounds: bool = False
     stage: int | None = None  # the stage the last round is shown at (None: all of it)
 
-    def round_view(self) -> tuple[str, str]:
-        """The last round shown, stage by stage, and the five steps with its numbers."""
+    def round_view(self) -> tuple:
+        """The last round shown, stage by stage, the five steps with its numbers, and its token tree."""
         if self.spec is None or not self.spec.events:
-            return STEP_HINT, ""
+            return STEP_HINT, "", charts.token_tree(None)
         event = self.spec.events[-1]
-        stage = len(round_stages(event, self.spec.meta)) - 1 if self.stage is None else self.stage
-        return stage_html(event, self.spec.meta, stage), how_it_works_html(event, self.spec.meta, stage)
+        stages = round_stages(event, self.spec.meta)
+        stage = len(stages) - 1 if self.stage is None else self.stage
+        shown, decided = tree_view(stages[stage] if self.stage is not None else None)
+        return (stage_html(event, self.spec.meta, stage), how_it_works_html(event, self.spec.meta, stage),
+                charts.token_tree(event, shown, decided))
 
     def outputs(self, download: str | None = None, race: str = "", final: bool = True) -> tuple:
         """The page; between rounds (final=False) the inspector and the download stay as they are."""
@@ -67,7 +71,7 @@ class View:
 
     def stage_outputs(self) -> tuple:
         """Only the status and the round view change (a stage within a shown round)."""
-        return (self.status, *[gr.skip()] * (len(OUTPUT_NAMES) - 3), *self.round_view())
+        return (self.status, *[gr.skip()] * (len(OUTPUT_NAMES) - 4), *self.round_view())
 
 
 def greedy_diff(spec: Run | None, base: Run | None) -> int | None:

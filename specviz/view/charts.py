@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..core.events import DraftedToken, Run, SampleCheck
+from ..core.events import DraftedToken, RoundEvent, Run, SampleCheck
 from ..core.theory import cost_ratio, speedup_bound
 
 COLOURS = {"accepted": "#1a9850", "rejected": "#d73027", "correction": "#2166ac", "bonus": "#8e44ad",
@@ -207,3 +207,87 @@ def token_inspector(token: DraftedToken | None, label: str = "") -> PlotlySpec:
     u = "greedy: kept iff argmax" if token.u is None else f"u = {token.u:.3f}"
     title = f"{label} {token.text!r}: {token.status}; min(1, p/q) = {token.accept_prob:.3f}, {u}"
     return _figure(traces, title, "candidate token", "probability", "inspector", barmode="group")
+
+
+def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int | None = None) -> PlotlySpec:
+    """One round's drafts as a tree (a chain is a tree of one branch): depth across, the last kept token
+    at the root. Kept path green, rejected red, never reached grey; the token the target added hangs
+    from the path's end. Hover: p, q, min(1, p/q) and the draft's probability of the path to the node.
+    Stepping a round: only nodes up to depth `shown` are drawn (None: all), and only nodes up to index
+    `decided` show their outcome (None: all; -1: none yet)."""
+    if event is None or not event.drafted and event.extra is None:
+        return _figure([], "The round's token tree", "", "", "tree")
+    parents, depth = event.tree, event.depths
+    show = [i for i in range(len(parents)) if shown is None or depth[i] <= shown]
+    # y: leaves in depth-first order, a parent at the middle of its children
+    children: dict[int, list[int]] = {}
+    for i in show:
+        children.setdefault(parents[i], []).append(i)
+    y: dict[int, float] = {}
+    leaves = [0]
+
+    def place(node: int) -> float:
+        kids = children.get(node, [])
+        if not kids:
+            y[node] = -leaves[0]
+            leaves[0] += 1
+        else:
+            y[node] = sum(place(k) for k in kids) / len(kids)
+        return y[node]
+
+    place(-1)
+    x = {-1: 0, **{i: depth[i] for i in show}}
+    status = {i: event.drafted[i].status if decided is None or i <= decided else "drafted" for i in show}
+    colour = {"accepted": COLOURS["accepted"], "rejected": COLOURS["rejected"], "unverified": "#bdbdbd",
+              "drafted": "#9ecae1"}
+    traces: list[dict[str, Any]] = []
+    edges_x, edges_y = [], []
+    for i in show:
+        edges_x += [x[parents[i]], x[i], None]
+        edges_y += [y[parents[i]], y[i], None]
+    done = shown is None and decided is None
+    end = event.path[-1] if event.path else -1
+    if done and event.extra is not None:  # the target's token, after the kept path
+        x["extra"], y["extra"] = x[end] + 1, y[end]
+        edges_x += [x[end], x["extra"], None]
+        edges_y += [y[end], y["extra"], None]
+    traces.append({"type": "scatter", "mode": "lines", "x": edges_x, "y": edges_y, "hoverinfo": "skip",
+                   "line": {"color": "#cccccc", "width": 1.5}, "showlegend": False})
+    for name in ("accepted", "rejected", "unverified", "drafted"):
+        nodes = [i for i in show if status[i] == name]
+        if not nodes:
+            continue
+        hover = []
+        for i in nodes:
+            t = event.drafted[i]
+            path = f"<br>draft's path probability {t.score:.3f}" if t.score is not None else ""
+            hover.append(f"{t.text!r}: {t.status}<br>p = {t.p:.3f}, q = {t.q:.3f}, min(1, p/q) = "
+                         f"{t.accept_prob:.3f}{path}")
+        traces.append({"type": "scatter", "mode": "markers+text", "name": name, "x": [x[i] for i in nodes],
+                       "y": [y[i] for i in nodes], "text": [_short(event.drafted[i].text) for i in nodes],
+                       "textposition": "top center", "hovertext": hover, "hoverinfo": "text",
+                       "marker": {"color": colour[name], "size": 14, "line": {"color": "white", "width": 1}}})
+    root = {"type": "scatter", "mode": "markers+text", "name": "last kept token", "x": [0], "y": [y[-1]],
+            "text": ["▸"], "textposition": "top center", "hoverinfo": "text",
+            "hovertext": ["the last kept token: every draft continues from here"],
+            "marker": {"color": "#444444", "size": 10, "symbol": "diamond"}}
+    traces.append(root)
+    if "extra" in x:
+        extra = event.extra
+        traces.append({"type": "scatter", "mode": "markers+text", "name": extra.kind, "x": [x["extra"]],
+                       "y": [y["extra"]], "text": [_short(extra.text)], "textposition": "top center",
+                       "hoverinfo": "text", "hovertext": [f"{extra.text!r}: {extra.kind}, p = {extra.p:.3f}"],
+                       "marker": {"color": COLOURS.get(extra.kind, COLOURS["correction"]), "size": 14,
+                                  "symbol": "star"}})
+    kind = "tree" if event.parents else "chain"
+    title = (f"Round {event.index + 1}: {len(event.drafted)} drafts as a {kind}, {event.n_accepted} kept"
+             if event.drafted else f"Round {event.index + 1}: nothing drafted")
+    hidden = {"showgrid": False, "zeroline": False}
+    return _figure(traces, title, "depth (drafts after the last kept token)", "", "tree",
+                   yaxis={"visible": False, **hidden}, xaxis={"title": {"text": "depth"}, "dtick": 1, **hidden},
+                   height=max(260, 28 * leaves[0] + 90))
+
+
+def _short(text: str, n: int = 10) -> str:
+    shown = text.replace("\n", "⏎")
+    return shown if len(shown) <= n else shown[: n - 1] + "…"

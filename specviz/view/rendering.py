@@ -307,7 +307,8 @@ def exact_check_text(check: ExactCheck) -> str:
                 "plain target step and emits from p itself.")
     return (f"Exact, in closed form ({check.seconds:.2f} s): one round of the rule emits the first token with a "
             f"distribution that differs from the target's p by at most {check.max_diff:.1e} over the whole "
-            f"vocabulary (float64 rounding; the first draft is kept with probability {check.first_draft_kept:.3f}). "
+            f"vocabulary (float64 rounding; a draft at the first position is kept with probability "
+            f"{check.first_draft_kept:.3f}). "
             f"A rule that resampled from p instead of the residual max(0, p − q) would miss by "
             f"{check.broken_max_diff:.1e}.")
 

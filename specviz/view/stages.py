@@ -33,20 +33,46 @@ def _tok(text: str) -> str:
     return repr(text)
 
 
+def tree_levels(event: RoundEvent) -> list[list[int]]:
+    """The drafted nodes by depth (a chain: one per level)."""
+    levels: list[list[int]] = []
+    for i, d in enumerate(event.depths):
+        if d > len(levels):
+            levels.append([])
+        levels[d - 1].append(i)
+    return levels
+
+
+def tree_view(stage: Stage | None) -> tuple[int | None, int | None]:
+    """(depth shown, last node decided) of the round's tree at a stage (charts.token_tree)."""
+    if stage is None or stage.kind == ADD:
+        return None, None
+    if stage.kind == DRAFT:
+        return stage.position + 1, -1
+    return None, stage.position if stage.kind == DECIDE else -1
+
+
 def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
     """The stages of a round, in the order they happen."""
     greedy = meta.sampling.greedy
     one_hot = greedy or meta.draft_greedy
     copied = meta.drafter == "lookup" or event.drafted_by == "lookup"
     stages = []
-    for i, t in enumerate(event.drafted):
+    tree = bool(event.parents)
+    for i, t in enumerate(event.drafted if not tree else []):
         how = ("copied from where the text's last tokens occurred before (prompt lookup)" if copied
                else "its most likely token" if one_hot else "a token sampled from q")
         stages.append(Stage(DRAFT, i, f"The drafter proposes d{i + 1} = {_tok(t.text)}, {how} "
                                       f"(q = {t.q:.3f})."))
+    for level, nodes in enumerate(tree_levels(event) if tree else []):
+        shown = ", ".join(_tok(event.drafted[i].text) for i in nodes[:6]) + (", …" if len(nodes) > 6 else "")
+        stages.append(Stage(DRAFT, level, f"Depth {level + 1} of the tree: {len(nodes)} draft(s), the likeliest "
+                                          f"continuations of the nodes above ({shown})."))
     if event.drafted:
+        shape = " (a tree: each node attends to the text and its own ancestors only)" if tree else ""
         stages.append(Stage(VERIFY, -1, f"The target runs once over the last token and the {len(event.drafted)} "
-                                        f"draft(s): p at {len(event.drafted) + 1} positions in one forward pass."))
+                                        f"draft(s){shape}: p at {len(event.drafted) + 1} positions in one forward "
+                                        "pass."))
     else:
         stages.append(Stage(VERIFY, -1, "Nothing drafted this round: one plain target forward pass."))
     for i, t in enumerate(event.drafted):
@@ -56,6 +82,10 @@ def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
         if greedy:
             test = (f"it is the target's most likely token (p = {t.p:.3f})" if t.status == ACCEPTED
                     else f"the target's most likely token is another (p(d{i + 1}) = {t.p:.3f})")
+        elif tree:
+            sign = "<" if t.status == ACCEPTED else "≥"
+            test = (f"u = {t.u:.3f} {sign} {t.accept_prob:.3f}, its chance to be kept (p = {t.p:.3f}, less what "
+                    "the siblings tried before it took)")
         else:
             sign = "<" if t.status == ACCEPTED else "≥"
             test = f"u = {t.u:.3f} {sign} min(1, p/q) = min(1, {t.p:.3f}/{t.q:.3f}) = {t.accept_prob:.3f}"
@@ -67,7 +97,8 @@ def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
     elif x.kind == CORRECTION:
         n = event.n_accepted
         source = "the target's own most likely token" if greedy else "a sample from the residual norm(max(0, p − q))"
-        stages.append(Stage(ADD, -1, f"d{n + 1} was rejected: {source} takes its place, {_tok(x.text)} "
+        what = "Every draft tried after the kept path was rejected" if tree else f"d{n + 1} was rejected"
+        stages.append(Stage(ADD, -1, f"{what}: {source} takes its place, {_tok(x.text)} "
                                      f"(p = {x.p:.3f}), and any later drafts are dropped."))
     elif x.kind == BONUS:
         kept = "The draft was kept" if event.gamma == 1 else f"All {event.gamma} drafts were kept"
@@ -99,9 +130,10 @@ def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
     head += f"<th>{'added' if event.drafted else 'target'}</th>"
     test_row = "greedy test" if greedy else "min(1, p/q) vs u"
     rows: dict[str, list[str]] = {"token": [], "q (draft)": [], "p (target)": [], test_row: [], "verdict": []}
+    level = event.depths  # a chain's drafts are one per depth: its draft stages are its positions
     for i, t in enumerate(event.drafted):
-        drafted = i <= drafted_upto
-        here = now.position == i and now.kind in (DRAFT, DECIDE)
+        drafted = level[i] <= drafted_upto + 1
+        here = (now.position == i and now.kind == DECIDE) or (now.kind == DRAFT and level[i] == now.position + 1)
         rows["token"].append(_cell(_tok(t.text), drafted, here and now.kind == DRAFT))
         rows["q (draft)"].append(_cell(f"{t.q:.3f}", drafted))
         rows["p (target)"].append(_cell(f"{t.p:.3f}", verified, now.kind == VERIFY))
@@ -131,7 +163,8 @@ def how_it_works_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
     reached = max(STEP_OF[s.kind] for s in done) + (1 if now.kind == ADD else 0)  # rollback comes with the add
     greedy = meta.sampling.greedy
     drafted = event.drafted
-    shown = [drafted[s.position] for s in done if s.kind == DRAFT]
+    upto = max([s.position for s in done if s.kind == DRAFT], default=-1)
+    shown = [t for t, d in zip(drafted, event.depths, strict=True) if d <= upto + 1]
     decisions = [f"d{s.position + 1} {'kept' if drafted[s.position].status == ACCEPTED else 'rejected'}"
                  for s in done if s.kind == DECIDE]
     x = event.extra
