@@ -140,6 +140,9 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
         temperature = page.get_by_role("spinbutton", name="number input for temperature")
         temperature.fill("1")
         temperature.press("Enter")
+        chain = page.locator('#branch input[type="number"]')  # a chain first (this machine may open on a tree)
+        chain.fill("1")
+        chain.press("Enter")
 
         first = timed(page, lambda: page.locator("#step-btn").click(), "Round 1, stage 1 of")
         assert "The drafter proposes d1" in page.locator(CAPTION).inner_text()
@@ -185,7 +188,7 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
             if "accepted" in names:
                 break
         assert "accepted" in names, names
-        title = page.locator("#chart-tree .gtitle").inner_text()
+        title = page.locator("#chart-tree .gtitle").text_content()
         assert "drafts as a tree" in title and "kept" in title, title
         page.locator("#chart-tree").screenshot(path=str(SCREENSHOT.with_name("tree-round.png")))
         browser.close()

@@ -13,8 +13,8 @@ from ..view.stages import how_it_works_html, round_stages, stage_html, tree_view
 
 # what a run's handlers fill, in order (app.py maps each name to its component)
 OUTPUT_NAMES = ("status", "spec_html", "base_html", "diff_box", "stats", "fig_rounds", "fig_time", "fig_position",
-                "fig_speedup", "fig_cache", "runs_state", "token_pick", "download", "race_box", "round_box", "how_box",
-                "fig_tree")
+                "fig_speedup", "fig_cache", "fig_tree", "runs_state", "token_pick", "download", "race_box", "round_box",
+                "how_box")
 STEP_HINT = ('<div class="sv-note">Step runs one round and pauses on it; Next ▸ (or the key <b>n</b>) shows '
              "its stages one by one: each draft with q, the verify pass with p, each decision, the added "
              "token. Continue runs to the end.</div>")
@@ -30,16 +30,21 @@ class View:
     show_rounds: bool = False
     stage: int | None = None  # the stage the last round is shown at (None: all of it)
 
-    def round_view(self) -> tuple:
-        """The last round shown, stage by stage, the five steps with its numbers, and its token tree."""
+    def round_view(self) -> tuple[str, str]:
+        """The last round shown, stage by stage, and the five steps with its numbers."""
         if self.spec is None or not self.spec.events:
-            return STEP_HINT, "", charts.token_tree(None)
+            return STEP_HINT, ""
+        event = self.spec.events[-1]
+        stage = len(round_stages(event, self.spec.meta)) - 1 if self.stage is None else self.stage
+        return stage_html(event, self.spec.meta, stage), how_it_works_html(event, self.spec.meta, stage)
+
+    def round_tree(self):
+        """The last round's token tree, as far as the stage shown has grown and decided it."""
+        if self.spec is None or not self.spec.events:
+            return charts.token_tree(None)
         event = self.spec.events[-1]
         stages = round_stages(event, self.spec.meta)
-        stage = len(stages) - 1 if self.stage is None else self.stage
-        shown, decided = tree_view(stages[stage] if self.stage is not None else None)
-        return (stage_html(event, self.spec.meta, stage), how_it_works_html(event, self.spec.meta, stage),
-                charts.token_tree(event, shown, decided))
+        return charts.token_tree(event, *tree_view(stages[self.stage] if self.stage is not None else None))
 
     def outputs(self, download: str | None = None, race: str = "", final: bool = True) -> tuple:
         """The page; between rounds (final=False) the inspector and the download stay as they are."""
@@ -62,6 +67,7 @@ class View:
             charts.acceptance_by_position(self.spec),
             charts.speedup_curve(self.spec, self.base),
             charts.cache_lengths(self.spec),
+            self.round_tree(),
             runs,
             picker,
             download if final else gr.skip(),
@@ -70,8 +76,10 @@ class View:
         )
 
     def stage_outputs(self) -> tuple:
-        """Only the status and the round view change (a stage within a shown round)."""
-        return (self.status, *[gr.skip()] * (len(OUTPUT_NAMES) - 4), *self.round_view())
+        """Only the status, the round view and its tree change (a stage within a shown round)."""
+        round_box, how_box = self.round_view()
+        shown = {"status": self.status, "fig_tree": self.round_tree(), "round_box": round_box, "how_box": how_box}
+        return tuple(shown.get(name, gr.skip()) for name in OUTPUT_NAMES)
 
 
 def greedy_diff(spec: Run | None, base: Run | None) -> int | None:

@@ -283,9 +283,12 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
     title = (f"Round {event.index + 1}: {len(event.drafted)} drafts as a {kind}, {event.n_accepted} kept"
              if event.drafted else f"Round {event.index + 1}: nothing drafted")
     hidden = {"showgrid": False, "zeroline": False}
-    return _figure(traces, title, "depth (drafts after the last kept token)", "", "tree",
-                   yaxis={"visible": False, **hidden}, xaxis={"title": {"text": "depth"}, "dtick": 1, **hidden},
-                   height=max(260, 28 * leaves[0] + 90))
+    low, high = min(y.values()), max(y.values())
+    return _figure(traces, title, "", "", "tree", height=max(260, 40 * leaves[0] + 110),
+                   yaxis={"visible": False, "range": [low - 0.5, high + 0.7], **hidden},
+                   xaxis={"title": {"text": "depth (drafts after the last kept token)"}, "dtick": 1,
+                          "range": [-0.4, max(x.values()) + 0.6], **hidden},
+                   legend={"orientation": "h", "y": -0.35}, margin={"l": 20, "r": 20, "t": 40, "b": 70})
 
 
 def _short(text: str, n: int = 10) -> str:
