@@ -75,9 +75,8 @@ def test_a_drafter_may_ask_for_the_targets_hidden_states(pattern_pair, kind, mon
     fresh = out.hidden_states[-1][0]  # [L, H], after the final norm
     position = len(prompt) - 1  # the first verify pass starts at the prompt's last token
     for (_, hidden), event in zip(seen[1:], run.events, strict=True):
-        width = event.gamma + 1
-        assert hidden.shape[:2] == (1, width)
-        kept = event.n_accepted + 1  # rows of the pass over tokens that stayed in the text
+        kept = event.n_accepted + 1  # the pass's rows over tokens that stayed in the text (a tree's kept path)
+        assert hidden.shape[:2] == (1, kept)
         torch.testing.assert_close(hidden[0, :kept], fresh[position : position + kept], atol=1e-4, rtol=1e-4)
         position += len(event.new_tokens)
 

@@ -58,7 +58,8 @@ class Drafter(Protocol):
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
         """Row i kept its first n_accepted[i] drafts (then the target added one token).
 
-        hidden: [B, g_max + 1, H], the verify pass over [x_last, d_1..d_g], if asked for."""
+        hidden: [B, n_max + 1, H], the verify pass's rows over [x_last, the kept drafts] (a tree's kept
+        path, root to leaf), if asked for."""
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch)."""
@@ -306,7 +307,7 @@ class EagleDrafter:
         return out
 
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
-        # hidden [B, g_max + 1, F] over [x_last, d_1..]: the kept positions' features
+        # hidden [B, n_max + 1, F] over [x_last, the kept drafts]: the kept positions' features
         self.pending = [hidden[row, : n + 1] for row, n in enumerate(n_accepted)]
 
     def select(self, rows: list[int]) -> None:
