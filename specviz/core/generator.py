@@ -459,7 +459,7 @@ def decode(
             rows.append((tokens, extra, n, new, finish_reason(new, generated[r], settings.max_new_tokens,
                                                                 pair.eos_token_ids)))
             paths.append(path)
-        drafter.verified([row[2] for row in rows], _along(verify.hidden, paths))
+        drafter.verified([row[2] for row in rows], _along(verify.hidden, paths, tree is None))
         target.trim()
         target_lens, draft_lens = target.lengths.tolist(), drafter.cache_lens()
         elapsed = 1000 * (time.perf_counter() - start)
@@ -490,11 +490,14 @@ def decode(
         start += time.perf_counter() - suspended  # the consumer's time between rounds is not the run's
 
 
-def _along(hidden: torch.Tensor | None, paths: list[list[int]]) -> torch.Tensor | None:
-    """hidden [B, w, H] over [x_last, nodes...] -> [B, n_max + 1, H] over [x_last, kept nodes...]."""
+def _along(hidden: torch.Tensor | None, paths: list[list[int]], chain: bool) -> torch.Tensor | None:
+    """hidden [B, w, H] over [x_last, nodes...] -> [B, n_max + 1, H] over [x_last, kept nodes...]; a chain's
+    kept rows are the first ones already (a view, no copy)."""
     if hidden is None:
         return None
     width = 1 + max(map(len, paths))
+    if chain:
+        return hidden[:, :width]
     index = torch.tensor([[0] + [1 + j for j in path] + [0] * (width - 1 - len(path)) for path in paths],
                          device=hidden.device)
     return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))
