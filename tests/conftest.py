@@ -9,6 +9,7 @@ and corrections at known places.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,15 @@ from transformers import (
 
 from specviz.models.loading import load_pair
 from specviz.tools.distill import DistillConfig, distill_eagle
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's command runs two workers) each worker takes its share of
+    torch's threads: two processes of two threads on two cores would wait on each other's threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
 
 UNK, PAD, EOS = 0, 1, 2
 N_WORDS = 40

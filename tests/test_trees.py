@@ -100,7 +100,7 @@ def test_draws_of_the_tree_rule_follow_p_and_a_broken_residual_does_not(drawn, m
     assert sum(seconds.values()) > 2000  # node 0 was kept often enough to measure what follows it
     assert tv(firsts, p[0]) < 0.025 and tv(seconds, p[1]) < 0.025, (tv(firsts, p[0]), tv(seconds, p[1]))
     monkeypatch.setattr(sampling, "residual_distribution", lambda r, q: r)
-    firsts, _ = tree_draws(p, qs, 20_000, drawn)
+    firsts, _ = tree_draws(p, qs, 4_000, drawn)  # misses by about 0.12; noise at 4 000 rounds about 0.013
     assert tv(firsts, p[0]) > 0.05
 
 
