@@ -53,8 +53,8 @@ def test_page_shows_coloured_tokens_charts_and_hover(app_url):
         token.hover()
         title = token.get_attribute("title")
         assert "p = " in title and "q = " in title and "u = " in title
-        assert page.locator(".js-plotly-plot").count() >= 4
-        assert page.locator("#chart-rounds .js-plotly-plot .bars").count() > 0
+        page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 4", timeout=30_000)
+        drawn(page, "#chart-rounds")
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOT), full_page=True)
         set_number(page, "max new tokens", "16")  # the second run is timed to its first round only
@@ -91,6 +91,11 @@ FIRST_ROUND_TIMER = """() => {
     else if (window.svEmpty && window.svFirst === null) window.svFirst = performance.now() - window.svT0;
   }).observe(document.body, {subtree: true, childList: true, characterData: true});
 }"""
+
+
+def drawn(page, chart: str) -> None:
+    """Plotly draws after the update that carries the figure: wait (up to 30 s) for its bars."""
+    page.locator(f"{chart} .js-plotly-plot .bars").first.wait_for(timeout=30_000)
 
 
 def set_number(page, name: str, value: str) -> None:
@@ -218,7 +223,7 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
         page.locator("#run-btn").click()
         page.locator("#status :text('done')").wait_for(timeout=300_000)
         assert "drafting greedily" in page.locator("#stats").inner_text()
-        assert page.locator("#chart-cache .js-plotly-plot .bars").count() > 0
+        drawn(page, "#chart-cache")
         assert "rolled back" in page.locator("#chart-cache").inner_text()
 
         # the exact check: one round in closed form, beside what a broken rule would give
@@ -238,7 +243,7 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
                                timeout=300_000)
         status = page.locator("#lossless-status").inner_text()
         assert "400 + 400 draws in" in status and "within sampling noise" in status, status
-        assert page.locator("#chart-sample .js-plotly-plot .bars").count() > 0
+        drawn(page, "#chart-sample")
         print(f"\nsample N: {status}")
         page.locator("#chart-sample").scroll_into_view_if_needed()
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
