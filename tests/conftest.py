@@ -31,10 +31,12 @@ from specviz.tools.distill import DistillConfig, distill_eagle
 
 def pytest_configure(config):
     """Under pytest-xdist (the README's command runs two workers) each worker takes its share of
-    torch's threads: two processes of two threads on two cores would wait on each other's threads."""
+    torch's threads, and so do the processes its tests start (OMP_NUM_THREADS): two processes of two
+    threads on two cores would wait on each other's threads."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 UNK, PAD, EOS = 0, 1, 2

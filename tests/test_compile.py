@@ -22,12 +22,13 @@ def fresh_pair(pattern_dirs, arch="llama"):
 
 @pytest.mark.slow
 def test_compiled_greedy_equals_eager_and_batch_rows_equal_single_runs(pattern_dirs, pattern_pair):
+    """The compiled batch's rows equal the eager single runs (one set of graphs to compile: on a cold
+    inductor cache each costs seconds)."""
     pair = fresh_pair(pattern_dirs)
     settings = Settings(gamma=3, max_new_tokens=20, compile=True)
     compiled = generate_batch(pair, [""] * 3, settings, prompts_ids=PROMPTS)
-    alone = [generate(pair, "", settings, prompt_ids=p) for p in PROMPTS]
     eager = [generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=20), prompt_ids=p) for p in PROMPTS]
-    assert [r.token_ids for r in compiled] == [r.token_ids for r in alone] == [r.token_ids for r in eager]
+    assert [r.token_ids for r in compiled] == [r.token_ids for r in eager]
     lean = LeanLlama.of(pair.target)
     assert lean.compile_note == "" and lean.compiled_shapes  # it really ran compiled
     assert compiled[0].meta.compiled and compiled[0].meta.cache == "static"
