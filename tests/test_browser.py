@@ -289,9 +289,12 @@ def test_a_runs_notebook_html_renders_in_chromium():
 
 STOP_TIMER = """() => {
   const text = () => document.querySelector('#lossless-status').innerText;
-  window.svStopAt = performance.now(); window.svLast = text(); window.svChanged = null;
+  window.svStopAt = performance.now(); window.svLast = text(); window.svChanged = null; window.svUpdates = 0;
   new MutationObserver(() => {
-    if (text() !== window.svLast) { window.svLast = text(); window.svChanged = performance.now() - window.svStopAt; }
+    if (text() !== window.svLast) {
+      window.svLast = text(); window.svUpdates += 1;
+      if (window.svChanged === null) window.svChanged = performance.now() - window.svStopAt;
+    }
   }).observe(document.querySelector('#lossless-status'), {subtree: true, childList: true, characterData: true});
 }"""
 
@@ -325,16 +328,17 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         page.locator("#lossless-status :text('Sampling')").wait_for(timeout=120_000)
         page.locator("#stop-btn").click()
         page.evaluate(STOP_TIMER)
-        page.wait_for_timeout(4000)
-        late = page.evaluate("window.svChanged")
-        assert late is None or late < 2500, late  # at most the round under way reports after Stop
+        page.wait_for_timeout(6000)
+        late, updates = page.evaluate("[window.svChanged, window.svUpdates]")
+        # at most the chunk under way reports after Stop (how soon depends on the CPU's load: printed below)
+        assert updates <= 1, (updates, late)
         assert "draws in" not in page.locator("#lossless-status").inner_text()  # it never finished
         started = page.evaluate("performance.now()")
         page.locator("#run-btn").click()  # the device is free: the run starts, and ends
         page.wait_for_function("!/Speedup/.test(document.querySelector('#status').innerText)", timeout=120_000)
         begun = page.evaluate("performance.now()")
         page.locator("#status :text('Speedup')").wait_for(timeout=300_000)
-        print(f"\nStop during Sample N: last update {late} ms after Stop; the next run began "
+        print(f"\nStop during Sample N: {updates} update(s) after Stop, {late} ms after it; the next run began "
               f"{(begun - started) / 1000:.1f} s after Run and ended "
               f"{(page.evaluate('performance.now()') - started) / 1000:.1f} s after it")
         browser.close()
