@@ -169,9 +169,8 @@ def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_pa
     """This CPU runs another class's kernels under ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY caps. A
     oneDNN cap above what the CPU has changes nothing (so it is skipped: the class below runs the same
     kernels); ATen's is only lowered, never raised (ATen obeys it and dies of an illegal instruction
-    on a CPU without AVX512). Each class: both dtypes
-    decode, no traceback, speculative = baseline; under the AVX2 cap bf16 packing is skipped and the
-    reason is shown."""
+    on a CPU without AVX512). Each class: both dtypes decode, no traceback, speculative = baseline;
+    under the AVX2 cap bf16 packing is skipped and the reason is shown."""
     needs = {"AVX512_CORE": "avx512f", "AVX512_CORE_BF16": "avx512_bf16", "AVX512_CORE_AMX": "amx_bf16"}.get(cap)
     if needs and needs not in kernels._cpu()[1]:
         pytest.skip(f"this CPU has no {needs}: capped to {cap} it runs the class below it, tested here too")
