@@ -10,6 +10,8 @@ and corrections at known places.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from specviz.models.cachedir import locked
 from specviz.models.loading import load_pair
 from specviz.tools.distill import DistillConfig, distill_eagle
 
@@ -233,3 +236,21 @@ def eagle_pair(pattern_dirs, eagle_dirs):
         return pairs[arch, dtype]
 
     return get
+
+
+def while_another_process_makes(file: Path, call, store):
+    """Run call(progress) in a thread while this test holds `file`'s cache lock, as a second process would
+    while a first measures or converts; once call says it is waiting, store() what the first made and
+    release. -> (call's result, its progress messages)."""
+    said, result = [], []
+    with locked(file):
+        thread = threading.Thread(target=lambda: result.append(call(said.append)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not any("waiting for another specviz process" in m for m in said):
+            assert thread.is_alive() and time.monotonic() < deadline, f"never waited for the lock: {said}"
+            time.sleep(0.01)
+        store()
+    thread.join(timeout=120)
+    assert result, "the waiting call did not finish"
+    return result[0], said

@@ -2,6 +2,7 @@
 the note where nothing wins, and the measurement kept in the cache."""
 
 import pytest
+from conftest import while_another_process_makes
 
 from specviz.tools import costs
 from specviz.tools.costs import Choice, Costs, describe, expected_speedup, note, rank
@@ -59,7 +60,7 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
     assert choice is not None and choice.drafter == "model" and choice.gamma in (1, 2)
     assert set(measured.forward_ms) == set(range(1, costs.MAX_WIDTH + 1)) and measured.draft_ms["model"] > 0
     assert any("measuring what a round costs" in m for m in messages)
-    assert list((tmp_path / "kernels").glob("costs-*.json"))
+    assert list((tmp_path / "costs").glob("*.json"))
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("a second start must read the stored costs")
@@ -69,3 +70,12 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
     again, read = costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}})
     assert read == measured and again == choice
     assert costs.first_run(pair, {}) == (None, None)  # a preset with no measured τ keeps its own defaults
+
+    # a second process that starts while the first measures waits for it, then reads its costs
+    file = next((tmp_path / "costs").glob("*.json"))
+    stored = file.read_bytes()
+    file.unlink()
+    (waited, read), said = while_another_process_makes(
+        file, lambda progress: costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}, progress),
+        lambda: file.write_bytes(stored))
+    assert (waited, read) == (choice, measured) and not any("measuring" in m for m in said)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PAD, words
+from conftest import PAD, while_another_process_makes, words
 
 from specviz.core.generator import Settings, generate
 from specviz.core.kvcache import KVState
@@ -48,6 +48,18 @@ def test_the_table_is_measured_once_stored_and_read_back(fresh_tables):
     again = kernels.table(torch.float32)
     assert again is not t and again.times == t.times
     assert kernels.table(torch.float32, retune=True).times == {}  # retune starts empty
+
+
+def test_a_second_process_waits_for_the_first_and_reads_its_table(fresh_tables):
+    """Two processes sharing the cache (two app starts, two test workers) measure once: while one holds
+    the table's lock, the other says it waits, then reads what the first stored instead of measuring."""
+    file = kernels._table_file(torch.float32)
+    theirs = {"96x64": {"1": {"linear": 123.0}}}
+    _, said = while_another_process_makes(
+        file, lambda progress: kernels.tune([torch.randn(96, 64)], progress),
+        lambda: kernels.KernelTable(kernels.machine(), "float32", theirs, {}, str(file)).save())
+    assert kernels.table(torch.float32).times == theirs  # read, not measured again
+    assert not any(m.startswith("measuring") for m in said)
 
 
 def test_the_choice_is_the_fastest_at_the_nearest_timed_rows():
@@ -194,19 +206,24 @@ def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_pa
 def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, cap):
     """`specviz kernels` on this CPU and capped to AVX2 (no AVX512): the machine's class, the
     table with a chosen path per row count, c(k), the drafters ranked; the table is stored."""
+    from specviz.models.cachedir import cache_root
     from specviz.models.loading import offline_target_dir
 
-    # a cache folder of its own, with the converted model linked in: a test never re-times the table
-    # this machine's runs read (a retune under a loaded CPU would store its slow timings there)
+    # a cache folder of its own, so the kernels are measured here and a test never re-times the table
+    # this machine's runs read (a retune under a loaded CPU would store its slow timings there); the
+    # converted model and the round costs (measured once per machine, as every other test reads them)
+    # linked in
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "SmolLM2-135M-Instruct").symlink_to(offline_target_dir())
+    (cache_root() / "costs").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / "costs").symlink_to(cache_root() / "costs")
     env = {**os.environ, "SPECVIZ_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
     if cap and "avx512f" not in kernels._cpu()[1]:
         pytest.skip("this CPU has no AVX512: the uncapped run already runs the AVX2 kernels")
     if cap:
         env.update(ONEDNN_MAX_CPU_ISA=cap, ATEN_CPU_CAPABILITY=cap.lower())
     command = [sys.executable, "-m", "specviz", "kernels", "--dtype", "float32", "--repeats", "1"]
-    first = subprocess.run(command + ["--retune"], env=env, capture_output=True, text=True, timeout=600)
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "measuring matrix-product kernels" in first.stderr
     assert "| 49152x576 | linear |" in first.stdout and "*" in first.stdout

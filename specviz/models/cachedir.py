@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks here; concurrent starts then do the work twice
+    fcntl = None
 
 
 def cache_root() -> Path:
     """SPECVIZ_CACHE, default ~/.cache/specviz."""
     return Path(os.environ.get("SPECVIZ_CACHE", Path.home() / ".cache" / "specviz"))
+
+
+@contextlib.contextmanager
+def locked(path: Path, progress: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path`.lock while making what `path` will hold (a converted model, a
+    kernel table, round costs), so that processes sharing the cache (two app starts, two test workers)
+    make it once: the second waits, then finds it stored. Callers re-read `path` once inside. Writes
+    stay atomic without the lock (a temporary file moved in place); the lock only saves the work."""
+    if fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                progress(f"waiting for another specviz process that is making {path.name}...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -33,7 +33,7 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 
-from .cachedir import cache_root
+from .cachedir import cache_root, locked
 
 ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wider verifies and drafts
 CELL_BUDGET_S = 0.025  # seconds of timing per (shape, rows, path), at least MIN_REPEATS repeats
@@ -187,13 +187,17 @@ def forget() -> None:
     _TABLES.clear()
 
 
-def table(dtype: torch.dtype, retune: bool = False) -> KernelTable:
-    """This machine's table for dtype: from memory, else from the cache folder, else empty."""
+def _table_file(dtype: torch.dtype) -> Path:
+    return cache_root() / "kernels" / f"{_key(machine(), dtype)}.json"
+
+
+def table(dtype: torch.dtype, retune: bool = False, reread: bool = False) -> KernelTable:
+    """This machine's table for dtype: from memory (unless reread), else from the cache folder, else empty."""
     m = machine()
     key = _key(m, dtype)
-    if not retune and key in _TABLES:
+    if not retune and not reread and key in _TABLES:
         return _TABLES[key]
-    file = cache_root() / "kernels" / f"{key}.json"
+    file = _table_file(dtype)
     found = None
     if not retune and file.is_file():
         try:
@@ -260,30 +264,32 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
     for w in weights:
         if w.device.type == "cpu":
             by_dtype.setdefault(w.dtype, {}).setdefault(shape_key(w), []).append(w)
+    say = progress or log.info
     for dtype, shapes in by_dtype.items():
-        t = table(dtype, retune)
-        missing = {s: ws for s, ws in shapes.items() if s not in t.times}
-        if not missing:
+        if not retune and all(s in table(dtype).times for s in shapes):
             continue
-        t.skipped = unavailable(dtype)
-        paths = [p for p in PATHS.values() if p.name not in t.skipped]
-        say = progress or log.info
-        started = time.perf_counter()
-        say(f"measuring matrix-product kernels on this CPU in {t.dtype} (once; later starts read {t.file}): "
-            f"{len(missing)} shapes x {len(ROWS)} row counts x paths {', '.join(p.name for p in paths)}")
-        for i, (shape, ws) in enumerate(missing.items(), 1):
-            t.times[shape] = _time_cells([w.detach().contiguous() for w in ws[:WEIGHTS_PER_SHAPE]], paths, ROWS)
-            say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)")
-        t.save()
+        with locked(_table_file(dtype), say):  # another process may be measuring: it stores, we read
+            t = table(dtype, retune, reread=True)
+            missing = {s: ws for s, ws in shapes.items() if s not in t.times}
+            if not missing:
+                continue
+            t.skipped = unavailable(dtype)
+            paths = [p for p in PATHS.values() if p.name not in t.skipped]
+            started = time.perf_counter()
+            say(f"measuring matrix-product kernels on this CPU in {t.dtype} (once; later starts read {t.file}): "
+                f"{len(missing)} shapes x {len(ROWS)} row counts x paths {', '.join(p.name for p in paths)}")
+            for i, (shape, ws) in enumerate(missing.items(), 1):
+                t.times[shape] = _time_cells([w.detach().contiguous() for w in ws[:WEIGHTS_PER_SHAPE]], paths, ROWS)
+                say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)")
+            t.save()
 
 
 def choose(weight: torch.Tensor, rows: int) -> str:
     """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be)."""
-    t = table(weight.dtype)
     key = shape_key(weight)
-    if key not in t.times:
+    if key not in table(weight.dtype).times:
         tune([weight])
-    return t.best(key, rows)
+    return table(weight.dtype).best(key, rows)
 
 
 # --- the dtype `auto` picks on a CPU ---------------------------------------------------------------

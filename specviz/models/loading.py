@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import kernels
-from .cachedir import cache_root
+from .cachedir import cache_root, locked
 from .eagle import EagleHead
 from .leanllama import LeanLlama
 
@@ -188,17 +188,19 @@ def _build_once(out: Path, build: Callable[[Path], None], progress: Progress) ->
     concurrent builder never leaves a half-written model behind."""
     if (out / "config.json").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        build(tmp)
+    with locked(out, progress):  # a concurrent builder finishes first: we find its directory
+        if (out / "config.json").exists():
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
         try:
-            tmp.rename(out)
-        except OSError:  # someone else finished first
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            try:
+                tmp.rename(out)
+            except OSError:  # someone else finished first (on a system without locks)
+                if not (out / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     progress(f"saved {out}")
     return out
 

@@ -38,7 +38,7 @@ import torch
 from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate
 from ..core.kvcache import KVState
 from ..models import kernels
-from ..models.cachedir import cache_root
+from ..models.cachedir import cache_root, locked
 from ..models.loading import ModelPair, encode_prompt
 
 MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4 (and at each tree's width)
@@ -168,11 +168,17 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
 
 def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0)) -> tuple[float, float]:
     """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2; for a
-    tree `shape`, (draft ms per round, bookkeeping ms per round); drafter "" is plain decoding (draft 0)."""
+    tree `shape`, (draft ms per round, bookkeeping ms per round); drafter "" is plain decoding (draft 0).
+    A tree's decode is shorter and, eager, not warmed up again: its drafter's chain warmed it, and what
+    is kept from it (drafting and bookkeeping) is a small part of its time, the rest verify forwards
+    already timed by forward_ms."""
+    tree = shape[1] > 1
     settings = Settings(gamma=shape[0], branch=shape[1], nodes=shape[2], drafter=drafter or "model",
-                        max_new_tokens=CALIBRATION_TOKENS, record_top=0, compile=compiled)
+                        max_new_tokens=CALIBRATION_TOKENS // 2 if tree else CALIBRATION_TOKENS, record_top=0,
+                        compile=compiled)
     mode = "speculative" if drafter else "baseline"
-    generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
+    if compiled or not tree:
+        generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
     run = generate(pair, CALIBRATION_PROMPT, settings, mode=mode)
     events = run.events[1:] if mode == "baseline" else run.events  # a baseline's first step is the prefill's
     drafted = sum(e.gamma for e in events) if shape[1] == 1 else len(events)
@@ -184,7 +190,7 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
 def _file(pair: ModelPair, compiled: bool) -> Path:
     facts = json.dumps([kernels.machine(), sorted(kernels.PATHS), str(pair.dtype), pair.target_name, pair.draft_name,
                         pair.head_name, compiled], sort_keys=True)
-    return cache_root() / "kernels" / f"costs-{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+    return cache_root() / "costs" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 
 
 def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = None, retune: bool = False,
@@ -194,14 +200,32 @@ def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = No
     drafters = [d for d in drafters if d not in HEAD_DRAFTERS or pair.head is not None]
     trees = [(d, shape) for d, shape in trees if d in drafters]
     file = _file(pair, compiled)
-    if not retune and file.is_file():
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-            costs = Costs(**{**data, "forward_ms": {int(k): v for k, v in data["forward_ms"].items()}})
-            if all(d in costs.draft_ms for d in drafters) and all(tree_key(*t) in costs.tree_ms for t in trees):
-                return costs
-        except (ValueError, KeyError, TypeError, OSError) as err:
-            log.warning("specviz: ignoring unreadable costs %s (%s); measuring again", file, err)
+    if not retune and (costs := _stored(file, drafters, trees)):
+        return costs
+    with locked(file, progress):  # another process may be measuring the same: it stores, we read
+        if not retune and (costs := _stored(file, drafters, trees)):
+            return costs
+        return _measure(pair, drafters, trees, compiled, file, progress)
+
+
+def _stored(file: Path, drafters: list[str], trees: list[tuple[str, Shape]]) -> Costs | None:
+    """The costs stored in file if they cover every drafter and tree asked for."""
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        costs = Costs(**{**data, "forward_ms": {int(k): v for k, v in data["forward_ms"].items()}})
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        log.warning("specviz: ignoring unreadable costs %s (%s); measuring again", file, err)
+        return None
+    if all(d in costs.draft_ms for d in drafters) and all(tree_key(*t) in costs.tree_ms for t in trees):
+        return costs
+    return None
+
+
+def _measure(pair: ModelPair, drafters: list[str], trees: list[tuple[str, Shape]], compiled: bool, file: Path,
+             progress: Progress | None) -> Costs:
+    """Time the forwards and a short decode per drafter and tree, and store them in file."""
     started = time.perf_counter()
     if progress:
         progress(f"measuring what a round costs on this machine ({', '.join(drafters)}; once, then cached)...")
