@@ -33,47 +33,80 @@ def _dirichlet(gen: torch.Generator, rows: int) -> torch.Tensor:
     return x / x.sum(-1, keepdim=True)
 
 
-def emitted(r: torch.Tensor, children: list[torch.Tensor], drawn: bool) -> torch.Tensor:
+def emitted(r: torch.Tensor, children: list[torch.Tensor], without_replacement: bool = False,
+            out: tuple[int, ...] = ()) -> torch.Tensor:
     """Closed form of the first token a node emits under the rule, with r its target distribution and
-    children the q each child came from: one-hot (chosen) or drawn from q (summed over the draw)."""
+    children the q each child is drawn from (one-hot: chosen), summed over the draws. Without
+    replacement, children[0] is the one q they all come from, each with the tokens of the children
+    before it (`out`) removed and renormalised, as draw_children draws them."""
     if not children:
         return r
     q = children[0]
-    rest = emitted(sampling.residual_distribution(r, q), children[1:], drawn)
-    out = torch.zeros(V, dtype=torch.float64)
+    if without_replacement:
+        q = q.clone()
+        q[list(out)] = 0.0
+        q /= q.sum()
+    result = torch.zeros(V, dtype=torch.float64)
     for x in range(V):
         if q[x] > 0:
             keep = float(sampling.acceptance_probability(r[x], q[x]))
-            out += q[x] * (keep * one_hot(x) + (1 - keep) * rest)
-    return out
+            later = [children[0]] * (len(children) - 1) if without_replacement else children[1:]
+            rest = emitted(sampling.residual_distribution(r, q), later, without_replacement, (*out, x))
+            result += q[x] * (keep * one_hot(x) + (1 - keep) * rest)
+    return result
 
 
-@pytest.mark.parametrize("drawn", [False, True])
-def test_closed_form_of_a_node_is_p_and_a_broken_residual_is_not(drawn, monkeypatch):
-    """At any node the rule emits p exactly (float64), for children chosen (one-hot q, EAGLE-2's top k)
-    or drawn from their own q (SpecInfer); resampling from r instead of the residual is off by far more."""
+@pytest.mark.parametrize("children", ["chosen", "drawn", "without replacement"])
+def test_closed_form_of_a_node_is_p_and_a_broken_residual_is_not(children, monkeypatch):
+    """At any node the rule emits p exactly (float64), for children chosen (one-hot q, EAGLE-2's top k),
+    drawn from their own q (SpecInfer) or drawn from one q without replacement (each with its own row:
+    draw_children); resampling from r instead of the residual is off by far more."""
     gen = torch.Generator().manual_seed(1)
     for seed in range(20):
         p, qs = _dirichlet(gen, 1)[0], _dirichlet(gen, 3)
-        children = [qs[i] for i in range(3)] if drawn else [one_hot(x) for x in (seed % V, (seed + 2) % V, 5)]
-        torch.testing.assert_close(emitted(p, children, drawn), p, atol=1e-9, rtol=0)
+        rows = {"chosen": [one_hot(x) for x in (seed % V, (seed + 2) % V, 5)], "drawn": list(qs),
+                "without replacement": [qs[0]] * 3}[children]
+        torch.testing.assert_close(emitted(p, rows, children == "without replacement"), p, atol=1e-9, rtol=0)
     with monkeypatch.context() as m:
         m.setattr(sampling, "residual_distribution", lambda r, q: r)
-        assert (emitted(p, children, drawn) - p).abs().max() > 1e-3
+        assert (emitted(p, rows, children == "without replacement") - p).abs().max() > 1e-3
+
+
+def test_children_drawn_without_replacement_follow_sequential_draws():
+    """draw_children's first two ids follow q(a) q(b) / (1 - q(a)) (20 000 draws: total variation < 0.03,
+    noise alone about 0.02), never repeat, and come with the rows they were drawn from."""
+    gen = torch.Generator().manual_seed(3)
+    q = _dirichlet(gen, 1)[0].float()
+    pairs = Counter()
+    for _ in range(20_000):
+        ids, rows = sampling.draw_children(q, 3, gen)
+        assert len(set(ids.tolist())) == 3
+        pairs[tuple(ids[:2].tolist())] += 1
+    a, b = ids[:2].tolist()
+    torch.testing.assert_close(rows[0], q)
+    torch.testing.assert_close(rows[2], q.index_fill(0, torch.tensor([a, b]), 0.0) / (1 - q[a] - q[b]))
+    exact = {(a, b): float(q[a] * q[b] / (1 - q[a])) for a in range(V) for b in range(V) if a != b}
+    assert 0.5 * sum(abs(pairs[k] / 20_000 - exact[k]) for k in exact) < 0.03
+    one_token = torch.zeros(V).index_fill(0, torch.tensor([4]), 1.0)  # support of one token: the rest chosen
+    ids, rows = sampling.draw_children(one_token, 3, gen)
+    assert ids[0] == 4 and len(set(ids.tolist())) == 3 and (rows.sum(-1) == 1).all()
+    assert all(rows[j, ids[j]] == 1 for j in (1, 2))
 
 
 def run_rule(p, q, tokens, gen, greedy=False):
     return accept_or_resample(p, q, torch.tensor(tokens), gen, greedy, PARENTS)
 
 
-def tree_draws(p: torch.Tensor, qs: torch.Tensor, n: int, drawn: bool, seed: int = 0):
+def tree_draws(p: torch.Tensor, qs: torch.Tensor, n: int, children: str, seed: int = 0):
     """n rounds of the rule on the PARENTS tree: (first token, second token if the first was node 0)."""
     gen = torch.Generator().manual_seed(seed)
     firsts, seconds = Counter(), Counter()
     for _ in range(n):
-        if drawn:  # each child an independent draw from its parent's q
-            tokens = [int(sampling.sample(qs[parent + 1], gen)) for parent in PARENTS]
-            q = torch.stack([qs[parent + 1] for parent in PARENTS])
+        if children == "without replacement":  # each parent's children as the EAGLE drafter draws them
+            drawn = {parent: sampling.draw_children(qs[parent + 1], PARENTS.count(parent), gen)
+                     for parent in dict.fromkeys(PARENTS)}
+            tokens = [int(drawn[parent][0][PARENTS[:i].count(parent)]) for i, parent in enumerate(PARENTS)]
+            q = torch.stack([drawn[parent][1][PARENTS[:i].count(parent)] for i, parent in enumerate(PARENTS)])
         else:  # children chosen: distinct tokens per parent, q one-hot
             tokens = [0, 3, 1, 2, 5, 4]
             q = torch.stack([one_hot(t) for t in tokens])
@@ -90,17 +123,17 @@ def tv(counts: Counter, p: torch.Tensor) -> float:
     return 0.5 * sum(abs(counts[x] / n - float(p[x])) for x in range(V))
 
 
-@pytest.mark.parametrize("drawn", [False, True])
-def test_draws_of_the_tree_rule_follow_p_and_a_broken_residual_does_not(drawn, monkeypatch):
+@pytest.mark.parametrize("children", ["chosen", "without replacement"])  # as the EAGLE drafter proposes them
+def test_draws_of_the_tree_rule_follow_p_and_a_broken_residual_does_not(children, monkeypatch):
     """20 000 rounds: the first token follows p at the root, the token after node 0 (when kept) follows
     p at node 0; total variation < 0.025 (sampling noise alone: about 0.006 and 0.012)."""
     gen = torch.Generator().manual_seed(7)
     p, qs = _dirichlet(gen, len(PARENTS) + 1), _dirichlet(gen, len(PARENTS) + 1)
-    firsts, seconds = tree_draws(p, qs, 20_000, drawn)
+    firsts, seconds = tree_draws(p, qs, 20_000, children)
     assert sum(seconds.values()) > 2000  # node 0 was kept often enough to measure what follows it
     assert tv(firsts, p[0]) < 0.025 and tv(seconds, p[1]) < 0.025, (tv(firsts, p[0]), tv(seconds, p[1]))
     monkeypatch.setattr(sampling, "residual_distribution", lambda r, q: r)
-    firsts, _ = tree_draws(p, qs, 4_000, drawn)  # misses by about 0.12; noise at 4 000 rounds about 0.013
+    firsts, _ = tree_draws(p, qs, 4_000, children)  # misses by about 0.12; noise at 4 000 rounds about 0.013
     assert tv(firsts, p[0]) > 0.05
 
 
@@ -235,7 +268,7 @@ def test_a_trace_with_a_broken_tree_is_refused(random_pair):
 
 @pytest.mark.slow
 def test_sampled_trees_follow_the_target(random_pair):
-    """A random head, branch 3 (three chosen children at the root): 20 000 runs, the first two tokens
+    """A random head, branch 3 (three children drawn without replacement per node): 20 000 runs, the first two tokens
     follow the target's exact law (total variation < 0.03, noise alone about 0.015)."""
     pair = random_head_pair(random_pair)
     params = SamplingParams(0.9, top_k=7, top_p=0.95)
@@ -301,8 +334,11 @@ def test_the_exact_check_of_a_tree_round_matches_p_and_shows_a_broken_rule(rando
     pair = random_head_pair(random_pair)
     settings = Settings(gamma=2, branch=3, temperature=1.0, top_p=0.9, drafter="eagle")
     _, qs = first_round_distributions(pair, words(1, 2, 1), settings)
-    # the first child drawn from the head's q, the other two its likeliest other tokens, chosen (q one-hot)
-    assert len(qs) == 3 and float(qs[0].max()) < 1.0 and all(float(q.max()) == 1.0 for q in qs[1:])
+    # three children drawn from the head's q without replacement: each from q without the ones before it
+    assert len(qs) == 3 and all(0 < float(q.max()) < 1.0 for q in qs)
+    for j in (1, 2):
+        out = (qs[j] == 0) & (qs[0] > 0)  # the earlier children's tokens, and nothing else
+        assert int(out.sum()) == j and torch.allclose(qs[j][~out], qs[0][~out] / qs[0][~out].sum())
     check = exact_check(pair, "w1 w2 w1", settings, chat_template=False)
     assert check.drafted and check.max_diff < 1e-9
     assert check.broken_max_diff > 1e3 * max(check.max_diff, 1e-15) and 0 < check.first_draft_kept <= 1

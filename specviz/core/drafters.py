@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from ..models.eagle import EagleHead, HeadCache
 from .kvcache import KVState, left_padded
-from .sampling import SamplingParams, at_least_float32, chain_parents, logits_to_probs, sample
+from .sampling import SamplingParams, at_least_float32, chain_parents, draw_children, logits_to_probs, sample
 
 
 @dataclass
@@ -220,43 +220,41 @@ class EagleDrafter:
                 generators: list[torch.Generator]) -> list[Proposal]:
         """Expand each row's tree level by level (EAGLE-2): feed the head the `branch` most likely nodes
         of the last level (by cumulative draft probability), give each its `branch` likeliest children,
-        and after γ levels keep the `nodes` likeliest of all. In a sampled run each fed node's first child is
-        drawn from q and the others are its likeliest other tokens, chosen (q one-hot): sampling.py's rule
-        stays exact, and a chain (branch 1) samples every draft from q as before."""
+        and after γ levels keep the `nodes` likeliest of all. In a sampled run each fed node's children are
+        drawn from q without replacement (`draw_children`; each keeps the q it was drawn from, so
+        sampling.py's rule stays exact), and a chain (branch 1) samples every draft from q as before."""
         cache, device, k = self.cache, seqs[0].device, self.branch
         caught_up = self._catch_up(seqs, max(gammas) * k)
         gammas = [g if cache.lengths[row] else 0 for row, g in enumerate(gammas)]  # no entry yet: no draft
         depth = max(gammas)
         if not depth:
             return [Proposal(seq[:0], torch.zeros(0, self.vocab_size, device=device), parents=[]) for seq in seqs]
-        sampled = not params.greedy  # the first child of each fed node drawn from q; else the top k, chosen
+        sampled = not params.greedy  # children drawn from q; else the top k, chosen (q one-hot)
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
         rows, lengths = len(seqs), torch.tensor(cache.lengths, device=device)
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
         seen = (cache.slot_index < lengths[:, None])[:, None]
-        # per level: [B, n] ids (on the head's vocabulary), parents, log scores, drawn from q?; [B, n, N] logits, q
-        tokens, parents, scores, drawn, node_logits, node_q = [], [], [], [], [], []
+        # per level: [B, n] ids (on the head's vocabulary), parents, log scores; [B, n, N] logits, q
+        tokens, parents, scores, node_logits, node_q = [], [], [], [], []
         fed_score = torch.zeros(rows, 1, device=device)
         beam_ids = torch.full((rows, 1), -1, dtype=torch.long, device=device)  # node index of each fed node
         logits = at_least_float32(logits)[:, None]  # [B, f, N]: the fed nodes' (first, the root's)
         for level in range(1, depth + 1):
             q = logits_to_probs(logits, params)  # [B, f, N] on the reduced vocabulary
-            if sampled:  # per row still drafting, in row order (seeded runs repeat), one draw per fed node
-                zero = q.new_zeros((), dtype=torch.long)
-                first_child = torch.stack([torch.stack([sample(q[row, j], generators[row]) if level <= gm else zero
-                                                        for j in range(q.shape[1])])
-                                           for row, gm in enumerate(gammas)])[..., None]  # [B, f, 1]
-                others = torch.topk(logits.scatter(-1, first_child, -math.inf), k - 1, dim=-1).indices
-                picks = torch.cat([first_child, others], -1)  # [B, f, k]
+            child_q = q[:, :, None].expand(-1, -1, k, -1)  # [B, f, k, N]: what each child was drawn from
+            if sampled:  # per row still drafting, in row order (seeded runs repeat), k draws per fed node
+                picks, child_q = torch.zeros(q.shape[:2] + (k,), dtype=torch.long, device=device), child_q.clone()
+                for row, gm in enumerate(gammas):
+                    for j in range(q.shape[1] if level <= gm else 0):
+                        picks[row, j], child_q[row, j] = draw_children(q[row, j], k, generators[row])
             else:
                 picks = torch.topk(logits, k, dim=-1).indices  # [B, f, k]
             logp = logits.log_softmax(-1).gather(-1, picks)  # ranked by the head's own (unwarped) probability
             tokens.append(picks.flatten(1))
             parents.append(beam_ids[:, :, None].expand(-1, -1, k).flatten(1))
             scores.append((fed_score[:, :, None] + logp).flatten(1))
-            drawn.append((torch.arange(k, device=device) == 0).expand_as(picks).flatten(1) & sampled)
             node_logits.append(logits[:, :, None].expand(-1, -1, k, -1).flatten(1, 2))
-            node_q.append(q[:, :, None].expand(-1, -1, k, -1).flatten(1, 2))
+            node_q.append(child_q.flatten(1, 2))
             if level == depth:
                 break
             # the next beam: the k likeliest nodes of this level, fed as entries (h of their parent, token)
@@ -276,15 +274,17 @@ class EagleDrafter:
             h, logits = self.head.step(cache, self.head.draft_ids[tokens[-1].gather(1, beam)], g, slots,
                                        positions, visible=seen)
             logits = at_least_float32(logits)
-        return self._proposals(gammas, tokens, parents, scores, drawn, node_logits, node_q)
+        return self._proposals(gammas, tokens, parents, scores, node_logits, node_q if sampled else None)
 
-    def _proposals(self, gammas, tokens, parents, scores, drawn, node_logits, node_q) -> list[Proposal]:
+    def _proposals(self, gammas, tokens, parents, scores, node_logits, node_q) -> list[Proposal]:
         """Per row: the `nodes` likeliest nodes no deeper than its γ, in level order (parents first),
-        with full-vocabulary q (one-hot for a chosen node) and logits (-inf outside the head's vocabulary)."""
+        with full-vocabulary q (what each node was drawn from; one-hot where node_q is None, the nodes
+        chosen) and logits (-inf outside the head's vocabulary)."""
         draft_ids, V = self.head.draft_ids, self.vocab_size
         depth = torch.cat([torch.full_like(t, level + 1) for level, t in enumerate(tokens)], 1)  # [B, M]
-        tokens, parents, scores, drawn = (torch.cat(x, 1) for x in (tokens, parents, scores, drawn))
-        node_logits, node_q = torch.cat(node_logits, 1), torch.cat(node_q, 1)  # [B, M, N]
+        tokens, parents, scores = (torch.cat(x, 1) for x in (tokens, parents, scores))
+        node_logits = torch.cat(node_logits, 1)  # [B, M, N]
+        node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
         out = []
         for row, gamma in enumerate(gammas):
             allowed = depth[row] <= gamma
@@ -296,11 +296,11 @@ class EagleDrafter:
             ids = draft_ids[tokens[row, keep]]
             logits_full = node_logits.new_full((budget, V), -math.inf)
             logits_full[:, draft_ids] = node_logits[row, keep]
-            q_full = node_logits.new_zeros(budget, V).scatter_(1, ids[:, None], 1.0)
-            from_q = drawn[row, keep]  # drawn from q: the rule needs q itself
-            if from_q.any():
-                q_full[from_q] = 0.0
-                q_full[from_q.nonzero()[:, :1], draft_ids] = node_q[row, keep][from_q]
+            if node_q is None:  # chosen: one-hot
+                q_full = node_logits.new_zeros(budget, V).scatter_(1, ids[:, None], 1.0)
+            else:  # drawn: the rule needs the q each was drawn from
+                q_full = node_logits.new_zeros(budget, V)
+                q_full[:, draft_ids] = node_q[row, keep]
             tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
             out.append(Proposal(ids, q_full, logits_full, parents=row_parents if tree else None,
                                 scores=scores[row, keep].exp().tolist() if tree else None))

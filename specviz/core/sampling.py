@@ -8,14 +8,17 @@ exactly as p, provided p and q were warped (temperature, top-k, top-p) the same 
 one function, `logits_to_probs`, makes both.
 
 A tree (EAGLE-2, Li et al. 2024; SpecInfer, Miao et al. 2024) gives a node several children, each
-drawn from its own q_j, independently of the others. At a node the rule tries them in order with
+drawn from its own q_j. At a node the rule tries them in order with
 SpecInfer's multi-step speculative sampling: r = p; keep child j with min(1, r(d_j)/q_j(d_j)); if
 rejected, r = norm(max(0, r - q_j)) and try child j+1; if all are rejected, draw from the last r.
 Why it is exact: one try with target r and draft q_j emits d_j ~ q_j kept, else a draw from
 norm(max(0, r - q_j)); if that draw follows the residual, the try emits r exactly (the chain's
 proof: min(r, q_j) + max(0, r - q_j) = r). The last "draw" is one from r itself, and each try is a
 draw from its r as long as the next one is, so by induction from the last child back the node
-emits p. Children chosen deterministically (EAGLE-2 takes the draft's top k) are draws from one-hot
+emits p. That holds when q_j depends on the siblings drawn before it, since each try only needs
+d_j ~ q_j given what came before: `draw_children` draws a node's children without replacement (q_j
+is q with d_1..d_{j-1} removed, renormalised; Jeon et al. 2024, recursive rejection sampling).
+Children chosen deterministically (EAGLE-2 takes the draft's top k) are draws from one-hot
 q_j: the try keeps d_j with r(d_j) and the residual is r with d_j removed, renormalised, so the
 node samples from p by sequential elimination. Once a child is kept the walk moves to it, where
 the same argument holds with that child's p. A chain is a tree whose nodes have one child each,
@@ -88,6 +91,27 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """probs [..., V] -> token ids [...], drawn with the given generator (seeded runs repeat)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def draw_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A node's k children drawn from q [N] without replacement -> (ids [k], rows [k, N]): child j is a draw
+    from rows[j], q with children 0..j-1 removed and renormalised (recursive rejection sampling, Jeon et
+    al. 2024), so no two children repeat a token and the tree rule below stays exact with each child's
+    own row. The first child is `sample(q)` (a chain draws as it always has); the others are Gumbel
+    top-k over the rest of q, which yields them in the order and with the law of sequential draws. If
+    q's support runs out first, the remaining children are other tokens, chosen (one-hot rows)."""
+    first = sample(q, generator).reshape(1)
+    if k == 1:
+        return first, q[None]
+    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
+    keys = torch.where(q > 0, q.log() - (-u.log()).log(), torch.finfo(q.dtype).min)  # log q + Gumbel(0, 1)
+    ids = torch.cat([first, keys.scatter(-1, first, -math.inf).topk(k - 1).indices])
+    rows = q.expand(k, -1).clone()
+    for j in range(1, k):
+        rows[j:, ids[j - 1]] = 0.0  # child j was drawn with children 0..j-1 out
+    mass = rows.sum(-1, keepdim=True)
+    chosen = torch.zeros_like(rows).scatter_(1, ids[:, None], 1.0)
+    return ids, torch.where(mass > 0, rows / mass.clamp_min(1e-30), chosen)
 
 
 @dataclass
