@@ -84,9 +84,9 @@ def hf_greedy(offline_fp32):
 @pytest.mark.parametrize("cache", ["static", "dynamic", "none"])
 def test_offline_greedy_equals_hf_generate_on_every_benchmark_prompt(offline_fp32, hf_greedy, cache):
     """float32, eager: speculative text, and our baseline's, equal HF's token for token: the static
-    cache (the default, with this machine's kernels) on every benchmark prompt, `dynamic` on the
-    first prompt of the first two categories, `none` (it recomputes the whole text at every pass:
-    slow) on the first prompt of the first."""
+    cache (the default, with this machine's kernels) on every benchmark prompt (the baseline on the
+    first of each category), `dynamic` on the first prompt of the first two categories, `none` (it
+    recomputes the whole text at every pass: slow) on the first prompt of the first."""
     from specviz.tools.prompts import BENCHMARK_PROMPTS
 
     firsts = [texts[0] for texts in BENCHMARK_PROMPTS.values()]
@@ -96,4 +96,5 @@ def test_offline_greedy_equals_hf_generate_on_every_benchmark_prompt(offline_fp3
         if prompt not in chosen:
             continue
         assert generate(offline_fp32, prompt, settings).token_ids == reference, prompt
-        assert generate(offline_fp32, prompt, settings, mode="baseline").token_ids == reference, prompt
+        if prompt in firsts:
+            assert generate(offline_fp32, prompt, settings, mode="baseline").token_ids == reference, prompt

@@ -384,7 +384,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="also time a batch of this many prompts against them one after another (0: skip)")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation and prompt lookup")
     b.add_argument("--quick", action="store_true",
-                   help="smoke test: 2 prompts, γ 3, greedy, 24 tokens, 1 repeat, 'expected' policy, batch of 2")
+                   help="smoke test: 2 prompts, γ 3, greedy, 16 tokens, 1 repeat, 'expected' policy, batch of 2")
     b.add_argument("--cache", choices=list(CACHE_KINDS), default="static", help="KV cache kind of the runs")
     b.add_argument("--compile", action="store_true", default=compile_by_default(),
                    help="compiled forwards for specviz's runs and the step timings (as generate --compile)")
@@ -425,7 +425,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     max_new, repeats, batch = args.max_new_tokens, args.repeats, args.batch
     if args.quick:
         prompts = {"classic": BENCHMARK_PROMPTS["classic"][:1], "edit": BENCHMARK_PROMPTS["edit"][-1:]}
-        gammas, lookup_gammas, eagle_gammas, temperatures, max_new, repeats = [3], [3], [3], [0.0], 24, 1
+        gammas, lookup_gammas, eagle_gammas, temperatures, max_new, repeats = [3], [3], [3], [0.0], 16, 1
         policies, batch = ["expected"], 2
     for d in drafters:
         if d not in DRAFTER_KINDS:
