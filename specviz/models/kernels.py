@@ -191,20 +191,26 @@ def _table_file(dtype: torch.dtype) -> Path:
     return cache_root() / "kernels" / f"{_key(machine(), dtype)}.json"
 
 
-def table(dtype: torch.dtype, retune: bool = False, reread: bool = False) -> KernelTable:
-    """This machine's table for dtype: from memory (unless reread), else from the cache folder, else empty."""
+def _stored(m: dict, file: Path) -> KernelTable | None:
+    """The table stored in file, if there is a readable one."""
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        return KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file))
+    except (ValueError, KeyError, OSError) as err:
+        log.warning("specviz: ignoring an unreadable kernel table %s (%s); measuring again", file, err)
+        return None
+
+
+def table(dtype: torch.dtype, retune: bool = False) -> KernelTable:
+    """This machine's table for dtype: from memory, else from the cache folder, else empty."""
     m = machine()
     key = _key(m, dtype)
-    if not retune and not reread and key in _TABLES:
+    if not retune and key in _TABLES:
         return _TABLES[key]
     file = _table_file(dtype)
-    found = None
-    if not retune and file.is_file():
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-            found = KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file))
-        except (ValueError, KeyError, OSError) as err:
-            log.warning("specviz: ignoring an unreadable kernel table %s (%s); measuring again", file, err)
+    found = None if retune else _stored(m, file)
     _TABLES[key] = found or KernelTable(m, str(dtype).removeprefix("torch."), file=str(file))
     return _TABLES[key]
 
@@ -268,8 +274,11 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
     for dtype, shapes in by_dtype.items():
         if not retune and all(s in table(dtype).times for s in shapes):
             continue
-        with locked(_table_file(dtype), say):  # another process may be measuring: it stores, we read
-            t = table(dtype, retune, reread=True)
+        with locked(_table_file(dtype), say):  # another process may have measured meanwhile: read what it stored
+            t = table(dtype, retune)
+            if not retune and (stored := _stored(t.machine, Path(t.file))):
+                t.times = {**stored.times, **t.times}
+                t.skipped = t.skipped or stored.skipped
             missing = {s: ws for s, ws in shapes.items() if s not in t.times}
             if not missing:
                 continue
