@@ -214,7 +214,7 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
         page = browser.new_page(viewport={"width": 1400, "height": 2400})
         page.goto(app_url, wait_until="domcontentloaded")
         page.locator("#run-btn").wait_for(timeout=60_000)
-        for name, value in (("temperature", "1"), ("max new tokens", "24")):
+        for name, value in (("temperature", "1"), ("max new tokens", "16")):
             set_number(page, name, value)
 
         # greedy drafting under sampling: the stats say so, and the caches chart its rounds
