@@ -245,8 +245,8 @@ class EagleDrafter:
             if sampled:  # per row still drafting, in row order (seeded runs repeat), k draws per fed node
                 picks, child_q = torch.zeros(q.shape[:2] + (k,), dtype=torch.long, device=device), child_q.clone()
                 for row, gm in enumerate(gammas):
-                    for j in range(q.shape[1] if level <= gm else 0):
-                        picks[row, j], child_q[row, j] = draw_children(q[row, j], k, generators[row])
+                    if level <= gm:
+                        picks[row], child_q[row] = draw_children(q[row], k, generators[row])
             else:
                 picks = torch.topk(logits, k, dim=-1).indices  # [B, f, k]
             logp = logits.log_softmax(-1).gather(-1, picks)  # ranked by the head's own (unwarped) probability

@@ -8,9 +8,9 @@ exactly as p, provided p and q were warped (temperature, top-k, top-p) the same 
 one function, `logits_to_probs`, makes both.
 
 A tree (EAGLE-2, Li et al. 2024; SpecInfer, Miao et al. 2024) gives a node several children, each
-drawn from its own q_j. At a node the rule tries them in order with
-SpecInfer's multi-step speculative sampling: r = p; keep child j with min(1, r(d_j)/q_j(d_j)); if
-rejected, r = norm(max(0, r - q_j)) and try child j+1; if all are rejected, draw from the last r.
+drawn from its own q_j. At a node the rule tries them in order with SpecInfer's multi-step
+speculative sampling: r = p; keep child j with min(1, r(d_j)/q_j(d_j)); if rejected,
+r = norm(max(0, r - q_j)) and try child j+1; if all are rejected, draw from the last r.
 Why it is exact: one try with target r and draft q_j emits d_j ~ q_j kept, else a draw from
 norm(max(0, r - q_j)); if that draw follows the residual, the try emits r exactly (the chain's
 proof: min(r, q_j) + max(0, r - q_j) = r). The last "draw" is one from r itself, and each try is a
@@ -94,24 +94,27 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def draw_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A node's k children drawn from q [N] without replacement -> (ids [k], rows [k, N]): child j is a draw
-    from rows[j], q with children 0..j-1 removed and renormalised (recursive rejection sampling, Jeon et
-    al. 2024), so no two children repeat a token and the tree rule below stays exact with each child's
-    own row. The first child is `sample(q)` (a chain draws as it always has); the others are Gumbel
-    top-k over the rest of q, which yields them in the order and with the law of sequential draws. If
-    q's support runs out first, the remaining children are other tokens, chosen (one-hot rows)."""
-    first = sample(q, generator).reshape(1)
+    """k children per node drawn from q [..., N] without replacement -> (ids [..., k], rows [..., k, N]):
+    child j is a draw from rows[j], q with children 0..j-1 removed and renormalised (recursive rejection
+    sampling, Jeon et al. 2024), so no two children repeat a token and the tree rule below stays exact
+    with each child's own row. Gumbel top-k: the k largest log q + Gumbel noise come in the order and
+    with the law of sequential draws (one uniform per token, no multinomial). If q's support runs out
+    first, the remaining children are other tokens, chosen (one-hot rows). One child (a chain) is
+    `sample(q)`, as a chain has always drawn."""
     if k == 1:
-        return first, q[None]
+        return sample(q, generator)[..., None], q[..., None, :]
     u = torch.rand(q.shape, generator=generator, device=q.device, dtype=q.dtype)
     keys = torch.where(q > 0, q.log() - (-u.log()).log(), torch.finfo(q.dtype).min)  # log q + Gumbel(0, 1)
-    ids = torch.cat([first, keys.scatter(-1, first, -math.inf).topk(k - 1).indices])
-    rows = q.expand(k, -1).clone()
-    for j in range(1, k):
-        rows[j:, ids[j - 1]] = 0.0  # child j was drawn with children 0..j-1 out
+    ids = keys.topk(k).indices  # [..., k]
+    rows = q[..., None, :].repeat(*(1,) * (q.dim() - 1), k, 1)  # [..., k, N]
+    for j in range(1, k):  # rows j.. without child j-1
+        rows[..., j:, :].scatter_(-1, ids[..., None, j - 1 : j].expand(*ids.shape[:-1], k - j, 1), 0.0)
     mass = rows.sum(-1, keepdim=True)
-    chosen = torch.zeros_like(rows).scatter_(1, ids[:, None], 1.0)
-    return ids, torch.where(mass > 0, rows / mass.clamp_min(1e-30), chosen)
+    rows = rows / mass.clamp_min(1e-30)
+    empty = mass[..., 0] <= 0  # the support ran out: chosen
+    if empty.any():
+        rows[empty] = torch.zeros_like(rows[empty]).scatter_(-1, ids[empty][..., None], 1.0)
+    return ids, rows
 
 
 @dataclass
