@@ -289,8 +289,11 @@ class EagleDrafter:
         for row, gamma in enumerate(gammas):
             allowed = depth[row] <= gamma
             budget = min(self.nodes or tokens.shape[1], int(allowed.sum()))
-            ranked = torch.sort(torch.where(allowed, scores[row], -math.inf), descending=True, stable=True).indices
-            keep = ranked[:budget].sort().values  # ancestors first: a child never outscores its parent
+            if node_q is None:  # chosen nodes: the likeliest (ancestors first: a child never outscores its parent)
+                ranked = torch.sort(torch.where(allowed, scores[row], -math.inf), descending=True, stable=True).indices
+                keep = ranked[:budget].sort().values
+            else:  # drawn nodes: the first in level and draw order, never chosen by their own value (see graft)
+                keep = allowed.nonzero()[:budget, 0]
             renumber = {old: new for new, old in enumerate(keep.tolist())}
             row_parents = [renumber[p] if p >= 0 else -1 for p in parents[row, keep].tolist()]
             ids = draft_ids[tokens[row, keep]]
@@ -373,8 +376,8 @@ class LookupFirstDrafter:
         copied = self.lookup.propose(seqs, gammas, params, generators)
         if getattr(self.fallback, "branch", 1) > 1:  # a tree: the copied continuation joins it as a branch
             trees = self.fallback.propose(seqs, gammas, params, generators)
-            return [graft(t, c, getattr(self.fallback, "nodes", 0)) if c.tokens.numel() else t
-                    for c, t in zip(copied, trees, strict=True)]
+            return [graft(t, c, getattr(self.fallback, "nodes", 0), drawn=not params.greedy) if c.tokens.numel()
+                    else t for c, t in zip(copied, trees, strict=True)]
         rest = self.fallback.propose(seqs, [0 if c.tokens.numel() else g for c, g in zip(copied, gammas, strict=True)],
                                      params, generators)
         return [replace(c, source="lookup") if c.tokens.numel() else r for c, r in zip(copied, rest, strict=True)]
@@ -389,17 +392,23 @@ class LookupFirstDrafter:
         return self.fallback.cache_lens()
 
 
-def graft(tree: Proposal, chain: Proposal, budget: int = 0) -> Proposal:
+def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False) -> Proposal:
     """The tree with a deterministic chain (q one-hot, as prompt lookup's) joined from the root: where a
     node with the chain's next token exists it is shared, else a new node is added. Over a node budget,
     the tree's least likely leaves off the chain make room. The rule stays exact: every node is still a
-    draw from its own q (sampling.py)."""
+    draw from its own q (sampling.py). A `drawn` tree (a sampled run's) must never lose a node for its
+    value, or what is kept is no longer a draw from q (a likely token kept more often than q says): the
+    chain is its own branch, shares nothing, and the tree's last nodes in level and draw order make room."""
     parents, tokens = list(tree.tree), tree.tokens.tolist()
     scores = list(tree.scores) if tree.scores is not None else [1.0] * len(tokens)
+    if drawn and budget:
+        tree_nodes = max(budget - len(chain.tokens), 0)
+        parents, tokens, scores = parents[:tree_nodes], tokens[:tree_nodes], scores[:tree_nodes]
+    from_tree = len(tokens)  # nodes below this index are the tree's
     on_chain, node = set(), -1
     for token in chain.tokens.tolist():
-        child = next((i for i, (p, t) in enumerate(zip(parents, tokens, strict=True)) if (p, t) == (node, token)),
-                     None)
+        child = None if drawn else next(
+            (i for i, (p, t) in enumerate(zip(parents, tokens, strict=True)) if (p, t) == (node, token)), None)
         if child is None:
             parents.append(node)
             tokens.append(token)
@@ -417,7 +426,7 @@ def graft(tree: Proposal, chain: Proposal, budget: int = 0) -> Proposal:
     q = torch.zeros(len(keep), V, device=device, dtype=tree.q.dtype)
     logits = torch.full((len(keep), V), -math.inf, device=device, dtype=tree.q.dtype)
     for new, old in enumerate(keep):
-        if old < len(tree.tokens):
+        if old < from_tree:
             q[new], logits[new] = tree.q[old], tree.logits[old]
         else:
             q[new, tokens[old]], logits[new, tokens[old]] = 1.0, 0.0
