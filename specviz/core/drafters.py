@@ -254,7 +254,8 @@ class EagleDrafter:
             parents.append(beam_ids[:, :, None].expand(-1, -1, k).flatten(1))
             scores.append((fed_score[:, :, None] + logp).flatten(1))
             node_logits.append(logits[:, :, None].expand(-1, -1, k, -1).flatten(1, 2))
-            node_q.append(child_q.flatten(1, 2))
+            if sampled:  # chosen nodes get one-hot rows in _proposals: no [B, f·k, N] copy per level
+                node_q.append(child_q.flatten(1, 2))
             if level == depth:
                 break
             # the next beam: the k likeliest nodes of this level, fed as entries (h of their parent, token)
