@@ -179,20 +179,36 @@ def _seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _top_tokens(p_row, q_row, residual_row, chosen_id, k, text) -> list[TopToken]:
-    """The union of the k most likely tokens under p and under q (where q has mass: a one-hot q
-    has one), and the chosen one. q_row None: nothing was drafted at this position (a bonus or a
-    baseline step). Values are read in one gather each, not one tensor index per token."""
-    ids = set(torch.topk(p_row, k).indices.tolist()) | {chosen_id}
-    if q_row is not None:
-        q_top = torch.topk(q_row, k)
-        ids |= set(q_top.indices[q_top.values > 0].tolist())
-    index = torch.tensor(sorted(ids), device=p_row.device)
-    p = p_row[index].tolist()
-    q = q_row[index].tolist() if q_row is not None else [0.0] * len(p)
-    residual = residual_row[index].tolist() if residual_row is not None else [None] * len(p)
-    rows = sorted(zip(index.tolist(), p, q, residual, strict=True), key=lambda row: -(row[1] + row[2]))
-    return [TopToken(i, text(i), pi, qi, ri) for i, pi, qi, ri in rows]
+def _top_tokens(p_show, q_show, asks, k, text, residual=None) -> list[list[TopToken]]:
+    """Candidates at each asked position, for the inspector: the union of the k most likely tokens
+    under p and under q (where q has mass: a one-hot q has one), and the chosen one. asks: per
+    position (p row, q row or None, chosen id, with the residual row or not); None as q row: nothing
+    was drafted there (a bonus or a baseline step). Two top-k calls and one gather per value for
+    the whole round, not a handful of small tensor calls per position."""
+    p_top = torch.topk(p_show, k).indices.tolist()  # [g + 1][k]
+    q_top = []
+    if q_show is not None and q_show.shape[0]:
+        q_values, q_ids = torch.topk(q_show, k)
+        q_top = [[i for i, v in zip(ids, vals, strict=True) if v > 0]
+                 for ids, vals in zip(q_ids.tolist(), q_values.tolist(), strict=True)]
+    ids = [sorted({*p_top[p_row], chosen, *(q_top[q_row] if q_row is not None else ())})
+           for p_row, q_row, chosen, _ in asks]
+    flat = [i for row in ids for i in row]
+    p_rows = [p_row for (p_row, *_), row in zip(asks, ids, strict=True) for _ in row]
+    q_rows = [q_row or 0 for (_, q_row, *_), row in zip(asks, ids, strict=True) for _ in row]
+    device = p_show.device
+    p = p_show[torch.tensor(p_rows, device=device), torch.tensor(flat, device=device)].tolist()
+    q = q_show[torch.tensor(q_rows, device=device), torch.tensor(flat, device=device)].tolist() if q_top else []
+    res = residual[torch.tensor(flat, device=device)].tolist() if residual is not None else []
+    out, at = [], 0
+    for (_, q_row, _, with_residual), row in zip(asks, ids, strict=True):
+        span = range(at, at + len(row))
+        at += len(row)
+        rows = [(i, p[j], q[j] if q_row is not None else 0.0, res[j] if with_residual else None)
+                for i, j in zip(row, span, strict=True)]
+        rows.sort(key=lambda r: -(r[1] + r[2]))
+        out.append([TopToken(i, text(i), pi, qi, ri) for i, pi, qi, ri in rows])
+    return out
 
 
 def machine_name(device: torch.device) -> str:
@@ -290,26 +306,28 @@ def _round_tokens(proposal, p_logits, p, verdict, path, stop_at, params, record_
     # a rejection shows where it was tested below the kept path; under an accepted EOS the text has ended
     tested = {-1, *path} - ({end} if stop_at is not None else set())
     corrected = verdict.rejected[-1] if verdict.rejected and parents[verdict.rejected[-1]] == end else None
+    tokens = proposal.tokens.tolist()
+    extra_id = verdict.next_token if stop_at is None else None
+    children = [i for i, parent in enumerate(parents) if parent == end]
+    tops = [[] for _ in range(gamma + 1)]
+    if record_top:  # the extra's candidates too: where two runs part, the size of the tie
+        residual = verdict.residual if corrected is not None and not params.greedy else None
+        asks = [(parents[i] + 1, i, tok, i == corrected and residual is not None) for i, tok in enumerate(tokens)]
+        if extra_id is not None:
+            asks.append((end + 1, children[0] if children else None, extra_id, False))
+        tops = _top_tokens(p_show, q_show, asks, record_top, text, residual)
     drafted = []
-    for i, tok in enumerate(proposal.tokens.tolist()):
+    for i, tok in enumerate(tokens):
         status = ACCEPTED if i in path else REJECTED if i in verdict.rejected and parents[i] in tested else UNVERIFIED
-        top = []
-        if record_top:
-            residual = verdict.residual if i == corrected and not params.greedy else None
-            top = _top_tokens(p_show[parents[i] + 1], q_show[i], residual, tok, record_top, text)
         u = verdict.u[i] if status != UNVERIFIED else None
         score = proposal.scores[i] if proposal.scores is not None else None
-        drafted.append(DraftedToken(tok, text(tok), q_d[i], p_d[i], verdict.accept_probs[i], u, status, top, score))
+        drafted.append(DraftedToken(tok, text(tok), q_d[i], p_d[i], verdict.accept_probs[i], u, status, tops[i],
+                                    score))
     extra = None
-    if stop_at is None:
-        nt = verdict.next_token
-        children = [i for i, parent in enumerate(parents) if parent == end]
-        q_extra = float(q_show[children[0], nt]) if children else None
+    if extra_id is not None:
+        q_extra = float(q_show[children[0], extra_id]) if children else None
         kind = CORRECTION if children else BONUS if gamma else TARGET  # nothing drafted: a plain step
-        top = []
-        if record_top:  # the candidates at this position too: where two runs part, the size of the tie
-            top = _top_tokens(p_show[end + 1], q_show[children[0]] if children else None, None, nt, record_top, text)
-        extra = ExtraToken(nt, text(nt), kind, float(p_show[end + 1, nt]), q_extra, top)
+        extra = ExtraToken(extra_id, text(extra_id), kind, float(p_show[end + 1, extra_id]), q_extra, tops[gamma])
     return drafted, extra
 
 
