@@ -79,3 +79,26 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
         file, lambda progress: costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}, progress),
         lambda: file.write_bytes(stored))
     assert (waited, read) == (choice, measured) and not any("measuring" in m for m in said)
+
+
+def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampling(monkeypatch):
+    """A sampled tree keeps fewer tokens per node than a greedy one: with τ at temperature 1 in the preset,
+    the shape chosen for sampling is the chain where the greedy choice is a tree, and the page says so."""
+    from specviz.models.loading import Preset
+    from specviz.ui import page
+
+    preset = Preset("p", "t", "d", "", tokens_per_round=(("eagle", 2, 1.8), ("eagle", 4, 2.4, 4, 8)),
+                    sampled_tokens_per_round=(("eagle", 2, 1.6), ("eagle", 4, 1.7, 4, 8)))
+    assert preset.taus(sampled=True) == {"eagle": {(2, 1, 0): 1.6, (4, 4, 8): 1.7}}
+    assert Preset("q", "t", "d", "", tokens_per_round=preset.tokens_per_round).taus(sampled=True) == preset.taus()
+    flat = made_costs({1: 10.0, 2: 10.0, 3: 10.5, 5: 11.0, 9: 12.0}, {"eagle": 1.0})
+    flat.tree_ms[costs.tree_key("eagle", (4, 4, 8))] = 4.0
+    greedy, sampled = rank(flat, preset.taus())[0], rank(flat, preset.taus(sampled=True))[0]
+    assert (greedy.shape, sampled.shape) == ((4, 4, 8), (2, 1, 0))
+
+    monkeypatch.setattr(page, "_MACHINE_CHOICES", {("p", False): (greedy, flat), ("p", True): (sampled, flat)})
+    drafter, gamma, branch, nodes, note = page.first_run_values("p")
+    assert (drafter, gamma, branch, nodes) == ("eagle", 4, 4, 8)
+    assert f"With a temperature above 0, eagle at γ = 2 is expected fastest here ({sampled.expected:.2f}x)." in note
+    monkeypatch.setattr(page, "_MACHINE_CHOICES", {("p", False): (greedy, flat), ("p", True): (greedy, flat)})
+    assert "temperature above 0" not in page.first_run_values("p")[4]

@@ -12,9 +12,9 @@ from conftest import ARCHS, seeded_runs, word_id, words
 from test_generator import exact_baseline_distribution
 
 from specviz.core import sampling
-from specviz.core.drafters import Proposal, graft
+from specviz.core.drafters import Proposal, graft, levels_within
 from specviz.core.events import Run, runs_from_json, runs_to_json
-from specviz.core.generator import Settings, draft_width, generate
+from specviz.core.generator import Settings, decode, draft_width, generate
 from specviz.core.kvcache import CACHE_KINDS, KVState, Tree
 from specviz.core.sampling import SamplingParams, accept_or_resample
 from specviz.models.eagle import EagleHead, HeadConfig
@@ -239,6 +239,26 @@ def test_the_head_drafts_a_tree_whose_greedy_path_is_the_chain(random_pair):
     assert abs(tree.drafted[second].q - chain.drafted[1].q) < 1e-9
     scores = [t.score for t in tree.drafted]
     assert all(scores[i] <= scores[p] + 1e-12 for i, p in enumerate(tree.parents) if p >= 0)
+
+
+def test_a_sampled_tree_drafts_no_level_its_budget_cannot_keep(random_pair, monkeypatch):
+    """A sampled tree keeps its first `nodes` nodes in level order: 3 deep, 2 children, 4 nodes keeps levels
+    1 and 2 (2 + 4 nodes drafted), so the head steps twice per round (the catch-up and one fed level), not
+    three times; greedy, whose nodes are chosen by score from every level, steps three times."""
+    assert [levels_within(2, 4), levels_within(4, 8), levels_within(4, 21), levels_within(1, 5)] == [2, 2, 3, 5]
+    pair = dataclasses.replace(random_head_pair(random_pair), eos_token_ids=set())  # rounds to spare
+    steps = []
+    step = EagleHead.step
+    monkeypatch.setattr(EagleHead, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
+    for temperature, per_round in ((1.0, 2), (0.0, 3)):
+        settings = Settings(gamma=3, branch=2, nodes=4, drafter="eagle", temperature=temperature, max_new_tokens=40)
+        rounds = decode(pair, [words(1, 2, 3)], settings)
+        for _ in range(3):  # rounds with room for all three levels
+            steps.clear()
+            ((_, event),) = next(rounds)
+            assert len(steps) == per_round and len(event.drafted) == 4
+            assert max(event.depths) <= 2 or not temperature
+        rounds.close()
 
 
 @pytest.mark.parametrize("kind", CACHE_KINDS)

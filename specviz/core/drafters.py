@@ -230,6 +230,8 @@ class EagleDrafter:
         if not depth:
             return [Proposal(seq[:0], torch.zeros(0, self.vocab_size, device=device), parents=[]) for seq in seqs]
         sampled = not params.greedy  # children drawn from q; else the top k, chosen (q one-hot)
+        if sampled and self.nodes:  # its budget keeps the first nodes in level order: no level past them
+            depth = min(depth, levels_within(k, self.nodes))
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
         rows, lengths = len(seqs), torch.tensor(cache.lengths, device=device)
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
@@ -433,6 +435,16 @@ def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False)
             q[new, tokens[old]], logits[new, tokens[old]] = 1.0, 0.0
     return Proposal(ids, q, logits, "lookup", [renumber[parents[i]] if parents[i] >= 0 else -1 for i in keep],
                     [scores[i] for i in keep])
+
+
+def levels_within(branch: int, nodes: int) -> int:
+    """Levels a tree needs before its first `nodes` nodes in level order are all drafted (level 1 has
+    `branch` nodes, each later one `branch` children of each of up to `branch` fed nodes)."""
+    levels, size, total = 1, branch, branch
+    while total < nodes:
+        size = min(branch, size) * branch
+        levels, total = levels + 1, total + size
+    return levels
 
 
 def lookup_first_name(fallback: str) -> str:

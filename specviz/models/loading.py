@@ -62,11 +62,15 @@ class Preset:
     # of the pair and the text, not the machine. Where given, the first run's drafter and shape are the
     # ones with the best expected speedup on the machine that runs (costs.py), not the fields above.
     tokens_per_round: tuple[tuple, ...] = ()
+    # the same at temperature 1 (three seeds per prompt): a sampled tree keeps fewer tokens per node than a
+    # greedy one (its nodes are drawn, not chosen), so what pays differs; a sampled first run chooses by these
+    sampled_tokens_per_round: tuple[tuple, ...] = ()
 
-    def taus(self) -> dict[str, dict[tuple[int, int, int], float]]:
-        """drafter -> (γ, branch, nodes) -> tokens per round; a chain is (γ, 1, 0)."""
+    def taus(self, sampled: bool = False) -> dict[str, dict[tuple[int, int, int], float]]:
+        """drafter -> (γ, branch, nodes) -> tokens per round, greedy or (where measured) sampled; a chain is
+        (γ, 1, 0)."""
         out: dict[str, dict[tuple[int, int, int], float]] = {}
-        for drafter, gamma, tau, *tree in self.tokens_per_round:
+        for drafter, gamma, tau, *tree in (sampled and self.sampled_tokens_per_round) or self.tokens_per_round:
             branch, nodes = tree or (1, 0)
             out.setdefault(drafter, {})[gamma, branch, nodes] = tau
         return out

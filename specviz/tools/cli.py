@@ -115,7 +115,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if preset and args.drafter is None and args.gamma is None and args.branch is None and first_run.tokens_per_round:
         from . import costs as machine_costs
 
-        choice, costs = machine_costs.first_run(pair, first_run.taus(), progress, args.retune)
+        choice, costs = machine_costs.first_run(pair, first_run.taus(sampled=not settings.sampling.greedy),
+                                                progress, args.retune)
         if choice:
             settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma, branch=choice.branch,
                                nodes=choice.nodes, gamma_max=max(args.gamma_max, choice.gamma))
@@ -291,20 +292,24 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     steps = step_times(pair, first, ["static"], widths=(1, 2, 3, 4, 5, 8, 16), repeats=args.repeats)
     print("c(k): a forward of k tokens in one-token forwards (a verify of k - 1 drafts), static cache\n")
     print(step_table(steps))
-    taus = PRESETS[args.preset].taus()
-    if taus:
+    preset = PRESETS[args.preset]
+    for sampled in (False, True) if preset.sampled_tokens_per_round else (False,):
+        taus = preset.taus(sampled)
+        if not taus:
+            continue
         from . import costs as machine_costs
 
         choice, costs = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True),
-                                                args.retune)
-        print("expected speedup over plain decoding here, S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + "
-              "overhead), τ measured on held-out prompts (the preset), costs on this machine:\n")
+                                                args.retune and not sampled)
+        print(f"{'sampled (temperature > 0)' if sampled else 'greedy'}: expected speedup over plain decoding here, "
+              "S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + overhead), τ measured on held-out prompts "
+              "(the preset), costs on this machine:\n")
         print("| drafter | γ | tree (children, drafts verified) | τ (tokens per round) | expected speedup |\n"
               "|---|---|---|---|---|")
         for ch in machine_costs.rank(costs, taus)[:10]:
             tree = f"{ch.branch}, {machine_costs.width(ch.shape) - 1}" if ch.branch > 1 else "chain"
             print(f"| {ch.drafter} | {ch.gamma} | {tree} | {taus[ch.drafter][ch.shape]:.2f} | {ch.expected:.2f}x |")
-        print(f"\n{machine_costs.describe(choice, costs)}")
+        print(f"\n{machine_costs.describe(choice, costs)}\n")
     return 0
 
 

@@ -180,25 +180,31 @@ def get_pair(preset: str, custom_target: str, custom_draft: str, dtype: str = "a
         return _pairs[key]
 
 
-_MACHINE_CHOICES: dict[str, tuple[Choice, Costs]] = {}  # preset -> its drafter and γ measured best here
+_MACHINE_CHOICES: dict[tuple[str, bool], tuple[Choice, Costs]] = {}  # (preset, sampled) -> its best here
 
 
 def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
-    """The preset's drafter and γ with the best expected speedup on this machine (measured once, then
-    read from the cache; tools/costs.py), or None for a preset without measured tokens per round."""
-    if preset not in _MACHINE_CHOICES and PRESETS[preset].tokens_per_round:
-        choice, costs = first_run(get_pair(preset, "", ""), PRESETS[preset].taus(), progress=log.info)
-        if choice:
-            _MACHINE_CHOICES[preset] = choice, costs
-    return _MACHINE_CHOICES.get(preset)
+    """The preset's drafter and shape with the best expected speedup on this machine, greedy (and, where
+    the preset measured τ at temperature 1, sampled), measured once, then read from the cache
+    (tools/costs.py); None for a preset without measured tokens per round."""
+    first = PRESETS[preset]
+    for sampled in (False, True) if first.sampled_tokens_per_round else (False,):
+        if (preset, sampled) not in _MACHINE_CHOICES and first.tokens_per_round:
+            choice, costs = first_run(get_pair(preset, "", ""), first.taus(sampled), progress=log.info)
+            if choice:
+                _MACHINE_CHOICES[preset, sampled] = choice, costs
+    return _MACHINE_CHOICES.get((preset, False))
 
 
 def first_run_values(preset: str) -> tuple[str, int, int, int, str]:
-    """(drafter, γ, branch, nodes, a note) for a first run of this preset: measured here if already known,
-    else the preset's."""
-    known = _MACHINE_CHOICES.get(preset)
+    """(drafter, γ, branch, nodes, a note) for a first (greedy) run of this preset: measured here if already
+    known, else the preset's. The note names what is expected fastest when sampling, where that differs."""
+    known = _MACHINE_CHOICES.get((preset, False))
     if known:
         choice = known[0]
-        return choice.drafter, choice.gamma, choice.branch, choice.nodes, note_html(describe(*known))
+        sampled = _MACHINE_CHOICES.get((preset, True), (choice,))[0]
+        also = (f" With a temperature above 0, {sampled.text} is expected fastest here ({sampled.expected:.2f}x)."
+                if (sampled.drafter, sampled.shape) != (choice.drafter, choice.shape) else "")
+        return choice.drafter, choice.gamma, choice.branch, choice.nodes, note_html(describe(*known) + also)
     first = PRESETS[preset]
     return first.drafter, first.gamma, first.branch, first.nodes, ""
