@@ -229,7 +229,8 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     assert "measuring matrix-product kernels" in first.stderr
     assert "| 49152x576 | linear |" in first.stdout and "*" in first.stdout
     assert "3 tokens / 1" in first.stdout and "bandwidth:" in first.stdout
-    assert "expected speedup over plain decoding here" in first.stdout  # the drafters ranked by cost
+    assert "greedy: expected speedup over plain decoding here" in first.stdout  # the drafters ranked by cost
+    assert "sampled (temperature > 0): expected speedup" in first.stdout  # and by τ measured when sampling
     if cap:
         assert "AVX2" in first.stdout.splitlines()[0]
     # what a later start reads: the table it stored (a later start reading it is tested in-process above)
