@@ -102,3 +102,13 @@ def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampl
     assert f"With a temperature above 0, eagle at γ = 2 is expected fastest here ({sampled.expected:.2f}x)." in note
     monkeypatch.setattr(page, "_MACHINE_CHOICES", {("p", False): (greedy, flat), ("p", True): (greedy, flat)})
     assert "temperature above 0" not in page.first_run_values("p")[4]
+
+
+def test_every_preset_times_its_sampled_shapes_with_the_greedy_ones():
+    """The costs kept per machine are measured for one table's trees: a sampled-only shape would make the
+    greedy and the sampled first run measure again, each in turn."""
+    from specviz.models.loading import PRESETS
+
+    for preset in PRESETS.values():
+        greedy, sampled = preset.taus(), preset.taus(sampled=True)
+        assert all(shape in greedy.get(d, {}) for d, shapes in sampled.items() for shape in shapes if shape[1] > 1)

@@ -220,9 +220,10 @@ class EagleDrafter:
                 generators: list[torch.Generator]) -> list[Proposal]:
         """Expand each row's tree level by level (EAGLE-2): feed the head the `branch` most likely nodes
         of the last level (by cumulative draft probability), give each its `branch` likeliest children,
-        and after γ levels keep the `nodes` likeliest of all. In a sampled run each fed node's children are
-        drawn from q without replacement (`draw_children`; each keeps the q it was drawn from, so
-        sampling.py's rule stays exact), and a chain (branch 1) samples every draft from q as before."""
+        and after γ levels keep the `nodes` likeliest of all. A sampled run drafts `branch` chains instead:
+        the root's children drawn from q without replacement (`draw_children`; each keeps the q it was
+        drawn from, so sampling.py's rule stays exact), then one child drawn below each node, and keeps its
+        first `nodes` in level order (never by value: see graft); a chain (branch 1) is one of them."""
         cache, device, k = self.cache, seqs[0].device, self.branch
         caught_up = self._catch_up(seqs, max(gammas) * k)
         gammas = [g if cache.lengths[row] else 0 for row, g in enumerate(gammas)]  # no entry yet: no draft
@@ -230,8 +231,8 @@ class EagleDrafter:
         if not depth:
             return [Proposal(seq[:0], torch.zeros(0, self.vocab_size, device=device), parents=[]) for seq in seqs]
         sampled = not params.greedy  # children drawn from q; else the top k, chosen (q one-hot)
-        if sampled and self.nodes:  # its budget keeps the first nodes in level order: no level past them
-            depth = min(depth, levels_within(k, self.nodes))
+        if sampled and self.nodes:  # k nodes a level, the first `nodes` kept: no level past them
+            depth = min(depth, -(-self.nodes // k))
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
         rows, lengths = len(seqs), torch.tensor(cache.lengths, device=device)
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
@@ -242,20 +243,23 @@ class EagleDrafter:
         beam_ids = torch.full((rows, 1), -1, dtype=torch.long, device=device)  # node index of each fed node
         logits = at_least_float32(logits)[:, None]  # [B, f, N]: the fed nodes' (first, the root's)
         for level in range(1, depth + 1):
+            # children per fed node: k, or when sampling one below the first level (a draw's siblings add
+            # less than its depth: BENCHMARKS.md, "Token trees")
+            kk = 1 if sampled and level > 1 else k
             q = logits_to_probs(logits, params)  # [B, f, N] on the reduced vocabulary
-            child_q = q[:, :, None].expand(-1, -1, k, -1)  # [B, f, k, N]: what each child was drawn from
-            if sampled:  # per row still drafting, in row order (seeded runs repeat), k draws per fed node
-                picks, child_q = torch.zeros(q.shape[:2] + (k,), dtype=torch.long, device=device), child_q.clone()
+            child_q = q[:, :, None].expand(-1, -1, kk, -1)  # [B, f, kk, N]: what each child was drawn from
+            if sampled:  # per row still drafting, in row order (seeded runs repeat), kk draws per fed node
+                picks, child_q = torch.zeros(q.shape[:2] + (kk,), dtype=torch.long, device=device), child_q.clone()
                 for row, gm in enumerate(gammas):
                     if level <= gm:
-                        picks[row], child_q[row] = draw_children(q[row], k, generators[row])
+                        picks[row], child_q[row] = draw_children(q[row], kk, generators[row])
             else:
                 picks = torch.topk(logits, k, dim=-1).indices  # [B, f, k]
             logp = logits.log_softmax(-1).gather(-1, picks)  # ranked by the head's own (unwarped) probability
             tokens.append(picks.flatten(1))
-            parents.append(beam_ids[:, :, None].expand(-1, -1, k).flatten(1))
+            parents.append(beam_ids[:, :, None].expand(-1, -1, kk).flatten(1))
             scores.append((fed_score[:, :, None] + logp).flatten(1))
-            node_logits.append(logits[:, :, None].expand(-1, -1, k, -1).flatten(1, 2))
+            node_logits.append(logits[:, :, None].expand(-1, -1, kk, -1).flatten(1, 2))
             if sampled:  # chosen nodes get one-hot rows in _proposals: no [B, f·k, N] copy per level
                 node_q.append(child_q.flatten(1, 2))
             if level == depth:
@@ -435,16 +439,6 @@ def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False)
             q[new, tokens[old]], logits[new, tokens[old]] = 1.0, 0.0
     return Proposal(ids, q, logits, "lookup", [renumber[parents[i]] if parents[i] >= 0 else -1 for i in keep],
                     [scores[i] for i in keep])
-
-
-def levels_within(branch: int, nodes: int) -> int:
-    """Levels a tree needs before its first `nodes` nodes in level order are all drafted (level 1 has
-    `branch` nodes, each later one `branch` children of each of up to `branch` fed nodes)."""
-    levels, size, total = 1, branch, branch
-    while total < nodes:
-        size = min(branch, size) * branch
-        levels, total = levels + 1, total + size
-    return levels
 
 
 def lookup_first_name(fallback: str) -> str:

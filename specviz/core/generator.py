@@ -70,7 +70,8 @@ class Settings:
     gamma_policy: str = "fixed"  # "fixed" | "grow-shrink" | "expected" (schedules.py)
     gamma_max: int = 16  # the most an adaptive policy may draft
     # a tree (EAGLE-head drafters): each drafted node gets `branch` children, γ levels deep, and the
-    # `nodes` likeliest are verified together (0: all drafted); branch 1 is a chain of γ
+    # `nodes` likeliest are verified together (0: all drafted); branch 1 is a chain of γ. Sampled, a tree is
+    # `branch` chains whose first drafts differ, and the first `nodes` drawn are verified (drafters.py)
     branch: int = 1
     nodes: int = 0
     drafter: str = "model"  # a key of DRAFTER_KINDS

@@ -50,10 +50,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "the head elsewhere")
     g.add_argument("--branch", type=int,
                    help="children per drafted node: 1 = a chain of γ drafts, more = a tree γ deep, verified in one "
-                        "pass (EAGLE-head drafters; default: the shape expected fastest on this machine, else 1)")
+                        "pass (sampled: that many chains, their first drafts distinct; EAGLE-head drafters; default: "
+                        "the shape expected fastest on this machine, else 1)")
     g.add_argument("--nodes", type=int,
-                   help="a tree's drafts verified per round, the likeliest first (0 = all it drafts; default: with "
-                        "the shape chosen for this machine, else 0)")
+                   help="a tree's drafts verified per round, the likeliest first (sampled: the first drawn; 0 = all "
+                        "it drafts; default: with the shape chosen for this machine, else 0)")
     g.add_argument("--head", metavar="DIR", help="an EAGLE head for the target (from `distill --kind eagle`)")
     g.add_argument("--gamma-policy", choices=list(POLICIES),
                    help="default: the preset's, else fixed. fixed; grow-shrink: +2 after a fully accepted round, "
