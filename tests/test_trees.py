@@ -292,8 +292,8 @@ def test_a_trace_with_a_broken_tree_is_refused(random_pair):
 def test_sampled_trees_follow_the_target(random_pair, drafter, nodes, prompt):
     """A random head, branch 3 (three chains: the root's children drawn without replacement, one drawn below
     each), every node kept or a budget of 2 (the rest dropped), or 3 with prompt lookup's copied branch
-    grafted on: 20 000 runs, the
-    first two tokens follow the target's exact law (total variation < 0.03, noise alone about 0.015).
+    grafted on: 20 000 runs, the first two tokens follow the target's exact law (total variation < 0.03,
+    noise alone about 0.015).
     Dropping drawn nodes by their own value (keeping the likeliest, as before 2026-11-25) missed by 0.054
     at the budget of 2: what is kept is then no draw from q."""
     pair = random_head_pair(random_pair)
