@@ -293,13 +293,13 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     steps = step_times(pair, first, ["static"], widths=(1, 2, 3, 4, 5, 8, 16), repeats=args.repeats)
     print("c(k): a forward of k tokens in one-token forwards (a verify of k - 1 drafts), static cache\n")
     print(step_table(steps))
+    from . import costs as machine_costs
+
     preset = PRESETS[args.preset]
     for sampled in (False, True) if preset.sampled_tokens_per_round else (False,):
         taus = preset.taus(sampled)
         if not taus:
             continue
-        from . import costs as machine_costs
-
         choice, costs = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True),
                                                 args.retune and not sampled)
         print(f"{'sampled (temperature > 0)' if sampled else 'greedy'}: expected speedup over plain decoding here, "
