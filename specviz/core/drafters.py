@@ -246,10 +246,10 @@ class EagleDrafter:
             # children per fed node: k, or when sampling one below the first level (a draw's siblings add
             # less than its depth: BENCHMARKS.md, "Token trees")
             kk = 1 if sampled and level > 1 else k
-            q = logits_to_probs(logits, params)  # [B, f, N] on the reduced vocabulary
-            child_q = q[:, :, None].expand(-1, -1, kk, -1)  # [B, f, kk, N]: what each child was drawn from
             if sampled:  # per row still drafting, in row order (seeded runs repeat), kk draws per fed node
-                picks, child_q = torch.zeros(q.shape[:2] + (kk,), dtype=torch.long, device=device), child_q.clone()
+                q = logits_to_probs(logits, params)  # [B, f, N] on the reduced vocabulary
+                picks = torch.zeros(q.shape[:2] + (kk,), dtype=torch.long, device=device)
+                child_q = q[:, :, None].repeat(1, 1, kk, 1)  # [B, f, kk, N]: what each child was drawn from
                 for row, gm in enumerate(gammas):
                     if level <= gm:
                         picks[row], child_q[row] = draw_children(q[row], kk, generators[row])

@@ -76,6 +76,11 @@ class Preset:
             out.setdefault(drafter, {})[gamma, branch, nodes] = tau
         return out
 
+    def first_run_tables(self) -> list[tuple[bool, dict[str, dict[tuple[int, int, int], float]]]]:
+        """(sampled, taus) for each table measured: greedy, then sampled where the preset has one."""
+        modes = (False, True) if self.sampled_tokens_per_round else (False,)
+        return [(sampled, self.taus(sampled)) for sampled in modes if self.tokens_per_round]
+
 
 PRESETS: dict[str, Preset] = {
     p.name: p

@@ -295,11 +295,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     print(step_table(steps))
     from . import costs as machine_costs
 
-    preset = PRESETS[args.preset]
-    for sampled in (False, True) if preset.sampled_tokens_per_round else (False,):
-        taus = preset.taus(sampled)
-        if not taus:
-            continue
+    for sampled, taus in PRESETS[args.preset].first_run_tables():
         choice, costs = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True),
                                                 args.retune and not sampled)
         print(f"{'sampled (temperature > 0)' if sampled else 'greedy'}: expected speedup over plain decoding here, "

@@ -187,10 +187,9 @@ def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
     """The preset's drafter and shape with the best expected speedup on this machine, greedy (and, where
     the preset measured τ at temperature 1, sampled), measured once, then read from the cache
     (tools/costs.py); None for a preset without measured tokens per round."""
-    first = PRESETS[preset]
-    for sampled in (False, True) if first.sampled_tokens_per_round else (False,):
-        if (preset, sampled) not in _MACHINE_CHOICES and first.tokens_per_round:
-            choice, costs = first_run(get_pair(preset, "", ""), first.taus(sampled), progress=log.info)
+    for sampled, taus in PRESETS[preset].first_run_tables():
+        if (preset, sampled) not in _MACHINE_CHOICES:
+            choice, costs = first_run(get_pair(preset, "", ""), taus, progress=log.info)
             if choice:
                 _MACHINE_CHOICES[preset, sampled] = choice, costs
     return _MACHINE_CHOICES.get((preset, False))
