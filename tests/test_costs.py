@@ -92,8 +92,8 @@ def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampl
     assert preset.taus(sampled=True) == {"eagle": {(2, 1, 0): 1.6, (4, 4, 8): 1.7}}
     assert Preset("q", "t", "d", "", tokens_per_round=preset.tokens_per_round).taus(sampled=True) == preset.taus()
     flat = made_costs({1: 10.0, 2: 10.0, 3: 10.5, 5: 11.0, 9: 12.0}, {"eagle": 1.0})
-    flat.tree_ms[costs.tree_key("eagle", (4, 4, 8))] = 4.0
-    greedy, sampled = rank(flat, preset.taus())[0], rank(flat, preset.taus(sampled=True))[0]
+    flat.tree_ms[costs.tree_key("eagle", (4, 4, 8))] = flat.tree_ms[costs.tree_key("eagle", (4, 4, 8), True)] = 4.0
+    greedy, sampled = rank(flat, preset.taus())[0], rank(flat, preset.taus(sampled=True), sampled=True)[0]
     assert (greedy.shape, sampled.shape) == ((4, 4, 8), (2, 1, 0))
 
     monkeypatch.setattr(page, "_MACHINE_CHOICES", {("p", False): (greedy, flat), ("p", True): (sampled, flat)})
@@ -104,9 +104,41 @@ def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampl
     assert "temperature above 0" not in page.first_run_values("p")[4]
 
 
+def test_a_sampled_tree_is_priced_by_its_own_round_not_the_greedy_one():
+    """A sampled tree drafts fewer levels than the greedy tree of the same shape: a cheaper round can
+    make it the choice when sampling, where the greedy round would not."""
+    taus = {"eagle": {(2, 1, 0): 1.6, (3, 2, 4): 1.75}}
+    c = made_costs({1: 10.0, 2: 10.5, 3: 11.0, 5: 12.0}, {"eagle": 1.0})
+    c.tree_ms[costs.tree_key("eagle", (3, 2, 4))] = 4.0  # three head steps
+    c.tree_ms[costs.tree_key("eagle", (3, 2, 4), sampled=True)] = 2.0  # two
+    assert rank(c, taus)[0].shape == (2, 1, 0)  # 1.6 · 10 / 13 > 1.75 · 10 / 16
+    assert rank(c, taus, sampled=True)[0] == Choice("eagle", 3, pytest.approx(1.75 * 10 / 14), 2, 4)
+
+
+def test_a_first_run_adds_what_the_stored_costs_lack_and_keeps_the_rest(eagle_pair, tmp_path, monkeypatch):
+    """The greedy and the sampled first run time different tree rounds: the second adds its own to the
+    file, so neither measures again after both have run once."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    pair = eagle_pair("llama")
+    taus = {"eagle": {(2, 1, 0): 1.5, (3, 2, 4): 1.9}}
+    _, greedy = costs.first_run(pair, taus)
+    assert set(greedy.tree_ms) == {costs.tree_key("eagle", (3, 2, 4))}
+    seen = []
+    real = costs._round_costs
+    monkeypatch.setattr(costs, "_round_costs", lambda *args: seen.append(args[3:]) or real(*args))
+    monkeypatch.setattr(costs, "forward_ms", lambda *a: pytest.fail("the forwards were timed: kept ones suffice"))
+    _, both = costs.first_run(pair, taus, sampled=True)
+    assert seen == [((3, 2, 4), True)]  # only the sampled tree's round
+    assert both.tree_ms[costs.tree_key("eagle", (3, 2, 4))] == greedy.tree_ms[costs.tree_key("eagle", (3, 2, 4))]
+    assert costs.tree_key("eagle", (3, 2, 4), True) in both.tree_ms
+    seen.clear()
+    assert costs.first_run(pair, taus)[1] == both and costs.first_run(pair, taus, sampled=True)[1] == both
+    assert seen == []  # both stored: read
+
+
 def test_every_preset_times_its_sampled_shapes_with_the_greedy_ones():
-    """The costs kept per machine are measured for one table's trees: a sampled-only shape would make the
-    greedy and the sampled first run measure again, each in turn."""
+    """A sampled-only shape would need a verify width the greedy first run did not time: the second first
+    run would time every forward again."""
     from specviz.models.loading import PRESETS
 
     for preset in PRESETS.values():

@@ -116,8 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if preset and args.drafter is None and args.gamma is None and args.branch is None and first_run.tokens_per_round:
         from . import costs as machine_costs
 
-        choice, costs = machine_costs.first_run(pair, first_run.taus(sampled=not settings.sampling.greedy),
-                                                progress, args.retune)
+        sampled = not settings.sampling.greedy
+        choice, costs = machine_costs.first_run(pair, first_run.taus(sampled), progress, args.retune, sampled)
         if choice:
             settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma, branch=choice.branch,
                                nodes=choice.nodes, gamma_max=max(args.gamma_max, choice.gamma))
@@ -297,13 +297,13 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
     for sampled, taus in PRESETS[args.preset].first_run_tables():
         choice, costs = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True),
-                                                args.retune and not sampled)
+                                                args.retune and not sampled, sampled)
         print(f"{'sampled (temperature > 0)' if sampled else 'greedy'}: expected speedup over plain decoding here, "
               "S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + overhead), τ measured on held-out prompts "
               "(the preset), costs on this machine:\n")
         print("| drafter | γ | tree (children, drafts verified) | τ (tokens per round) | expected speedup |\n"
               "|---|---|---|---|---|")
-        for ch in machine_costs.rank(costs, taus)[:10]:
+        for ch in machine_costs.rank(costs, taus, sampled)[:10]:
             tree = f"{ch.branch}, {machine_costs.width(ch.shape) - 1}" if ch.branch > 1 else "chain"
             print(f"| {ch.drafter} | {ch.gamma} | {tree} | {taus[ch.drafter][ch.shape]:.2f} | {ch.expected:.2f}x |")
         print(f"\n{machine_costs.describe(choice, costs)}\n")

@@ -9,7 +9,9 @@ one-token forward and its bookkeeping per token. So the expected speedup over pl
 
 A tree (γ levels deep, `branch` children per node, `nodes` verified) is priced the same way with its
 own measured round: S = τ · (step + base_overhead) / (verify(nodes + 1) + its drafting and bookkeeping
-per round), so the shape chosen is the one this machine's c(k) pays for (issue M).
+per round), so the shape chosen is the one this machine's c(k) pays for (issue M). A sampled tree
+drafts other levels than a greedy one of the same shape (drafters.EagleDrafter.propose), so its round
+is timed sampling, apart from the greedy one.
 
 τ belongs to the pair and the text, not the machine: it is measured on held-out prompts and kept
 in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
@@ -73,8 +75,8 @@ class Costs:
 Shape = tuple[int, int, int]  # (γ: depth, branch: children per node, nodes verified; 0 = all); a chain: (γ, 1, 0)
 
 
-def tree_key(drafter: str, shape: Shape) -> str:
-    return f"{drafter} {shape[0]}x{shape[1]}:{shape[2]}"
+def tree_key(drafter: str, shape: Shape, sampled: bool = False) -> str:
+    return f"{drafter} {shape[0]}x{shape[1]}:{shape[2]}" + (" sampled" if sampled else "")
 
 
 def width(shape: Shape) -> int:
@@ -102,23 +104,24 @@ class Choice:
                 f"{width(self.shape) - 1} drafts verified)")
 
 
-def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round: float) -> float:
-    """S of the module docstring, for a chain (branch 1) or a tree."""
+def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round: float, sampled: bool = False) -> float:
+    """S of the module docstring, for a chain (branch 1) or a tree (its round timed greedy or sampled)."""
     plain = costs.forward_ms[1] + costs.overhead_ms.get("", 0.0)
     if shape[1] == 1:
         gamma = shape[0]
         spec = costs.forward(gamma + 1) + gamma * costs.draft_ms.get(drafter, 0.0) + costs.overhead_ms.get(drafter, 0.0)
     else:
-        spec = costs.forward(width(shape)) + costs.tree_ms[tree_key(drafter, shape)]
+        spec = costs.forward(width(shape)) + costs.tree_ms[tree_key(drafter, shape, sampled)]
     return tokens_per_round * plain / spec
 
 
-def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]]) -> list[Choice]:
-    """Every (drafter, shape) with a measured τ and a measured cost, best first."""
-    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau), shape[1], shape[2])
+def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False) -> list[Choice]:
+    """Every (drafter, shape) with a measured τ and a measured cost, best first (τ and tree rounds
+    measured sampling where `sampled`)."""
+    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau, sampled), shape[1], shape[2])
                for d, by_shape in tokens_per_round.items() if d in costs.draft_ms
                for shape, tau in by_shape.items()
-               if (shape[1] == 1 and shape[0] + 1 <= MAX_WIDTH) or tree_key(d, shape) in costs.tree_ms]
+               if (shape[1] == 1 and shape[0] + 1 <= MAX_WIDTH) or tree_key(d, shape, sampled) in costs.tree_ms]
     return sorted(choices, key=lambda ch: -ch.expected)
 
 
@@ -166,19 +169,18 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
     return {k: median(v) for k, v in times.items()}
 
 
-def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0)) -> tuple[float, float]:
+def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0),
+                 sampled: bool = False) -> tuple[float, float]:
     """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2; for a
-    tree `shape`, (draft ms per round, bookkeeping ms per round); drafter "" is plain decoding (draft 0).
-    A tree's decode is shorter and, eager, not warmed up again: its drafter's chain warmed it, and what
-    is kept from it (drafting and bookkeeping) is a small part of its time, the rest verify forwards
-    already timed by forward_ms."""
+    tree `shape`, (draft ms per round, bookkeeping ms per round), from a decode at temperature 1 where
+    `sampled`; drafter "" is plain decoding (draft 0). A tree's decode is shorter: what is kept from it
+    (drafting and bookkeeping) is a small part of its time, the rest verify forwards timed by forward_ms."""
     tree = shape[1] > 1
     settings = Settings(gamma=shape[0], branch=shape[1], nodes=shape[2], drafter=drafter or "model",
                         max_new_tokens=CALIBRATION_TOKENS // 2 if tree else CALIBRATION_TOKENS, record_top=0,
-                        compile=compiled)
+                        compile=compiled, temperature=1.0 if sampled else 0.0)
     mode = "speculative" if drafter else "baseline"
-    if compiled or not tree:
-        generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
+    generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
     run = generate(pair, CALIBRATION_PROMPT, settings, mode=mode)
     events = run.events[1:] if mode == "baseline" else run.events  # a baseline's first step is the prefill's
     drafted = sum(e.gamma for e in events) if shape[1] == 1 else len(events)
@@ -193,53 +195,62 @@ def _file(pair: ModelPair, compiled: bool) -> Path:
     return cache_root() / "costs" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 
 
+Tree = tuple[str, Shape, bool]  # (drafter, shape, timed sampling)
+
+
 def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = None, retune: bool = False,
-            compiled: bool | None = None, trees: list[tuple[str, Shape]] = ()) -> Costs:
-    """This machine's costs for the pair (from the cache unless retune or a drafter or tree is missing)."""
+            compiled: bool | None = None, trees: list[Tree] = ()) -> Costs:
+    """This machine's costs for the pair: from the cache, with what it lacks measured and added (all of
+    it measured anew with retune)."""
     compiled = compile_by_default() if compiled is None else compiled
     drafters = [d for d in drafters if d not in HEAD_DRAFTERS or pair.head is not None]
-    trees = [(d, shape) for d, shape in trees if d in drafters]
+    trees = [t for t in trees if t[0] in drafters]
     file = _file(pair, compiled)
-    if not retune and (costs := _stored(file, drafters, trees)):
+    if not retune and _covers(costs := _stored(file), drafters, trees):
         return costs
     with locked(file, progress):  # another process may be measuring the same: it stores, we read
-        if not retune and (costs := _stored(file, drafters, trees)):
-            return costs
-        return _measure(pair, drafters, trees, compiled, file, progress)
+        known = None if retune else _stored(file)
+        if _covers(known, drafters, trees):
+            return known
+        return _measure(pair, drafters, trees, compiled, file, progress, known)
 
 
-def _stored(file: Path, drafters: list[str], trees: list[tuple[str, Shape]]) -> Costs | None:
-    """The costs stored in file if they cover every drafter and tree asked for."""
+def _stored(file: Path) -> Costs | None:
+    """The costs stored in file, if any."""
     if not file.is_file():
         return None
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        costs = Costs(**{**data, "forward_ms": {int(k): v for k, v in data["forward_ms"].items()}})
+        return Costs(**{**data, "forward_ms": {int(k): v for k, v in data["forward_ms"].items()}})
     except (ValueError, KeyError, TypeError, OSError) as err:
         log.warning("specviz: ignoring unreadable costs %s (%s); measuring again", file, err)
         return None
-    if all(d in costs.draft_ms for d in drafters) and all(tree_key(*t) in costs.tree_ms for t in trees):
-        return costs
-    return None
 
 
-def _measure(pair: ModelPair, drafters: list[str], trees: list[tuple[str, Shape]], compiled: bool, file: Path,
-             progress: Progress | None) -> Costs:
-    """Time the forwards and a short decode per drafter and tree, and store them in file."""
+def _covers(costs: Costs | None, drafters: list[str], trees: list[Tree]) -> bool:
+    return costs is not None and all(d in costs.draft_ms for d in drafters) and all(
+        tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees)
+
+
+def _measure(pair: ModelPair, drafters: list[str], trees: list[Tree], compiled: bool, file: Path,
+             progress: Progress | None, known: Costs | None = None) -> Costs:
+    """Time what `known` lacks (all, without it: the forwards, a short decode per drafter and tree), and
+    store the whole in file."""
     started = time.perf_counter()
     if progress:
         progress(f"measuring what a round costs on this machine ({', '.join(drafters)}; once, then cached)...")
-    ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
-    costs = Costs(kernels.describe_machine() if pair.device.type == "cpu" else str(pair.device),
-                  str(pair.dtype).removeprefix("torch."), compiled,
-                  forward_ms(pair, ids, sorted({*range(1, MAX_WIDTH + 1), *(width(s) for _, s in trees)}), 8,
-                             compiled))
-    for d in ["", *drafters]:
+    widths = {*range(1, MAX_WIDTH + 1), *(width(t[1]) for t in trees)}
+    costs = known or Costs(kernels.describe_machine() if pair.device.type == "cpu" else str(pair.device),
+                           str(pair.dtype).removeprefix("torch."), compiled, {})
+    if not widths <= set(costs.forward_ms):  # all widths timed together: c(k) compares forwards of one run
+        ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
+        costs.forward_ms = forward_ms(pair, ids, sorted(widths | set(costs.forward_ms)), 8, compiled)
+    for d in [d for d in ["", *drafters] if d not in costs.overhead_ms]:
         costs.draft_ms[d], costs.overhead_ms[d] = _round_costs(pair, d, compiled)
-    costs.draft_ms.pop("")
-    for d, shape in trees:
-        draft, overhead = _round_costs(pair, d, compiled, shape)
-        costs.tree_ms[tree_key(d, shape)] = draft + overhead
+    costs.draft_ms.pop("", None)
+    for d, shape, sampled in trees:
+        if tree_key(d, shape, sampled) not in costs.tree_ms:
+            costs.tree_ms[tree_key(d, shape, sampled)] = sum(_round_costs(pair, d, compiled, shape, sampled))
     file.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -252,14 +263,15 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[tuple[str, Shape]
 
 
 def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], progress: Progress | None = None,
-              retune: bool = False) -> tuple[Choice | None, Costs | None]:
+              retune: bool = False, sampled: bool = False) -> tuple[Choice | None, Costs | None]:
     """The best (drafter, shape) for this pair on this machine, with its costs; (None, None) when the pair
-    has no measured τ (then the preset's fixed defaults stand)."""
+    has no measured τ (then the preset's fixed defaults stand). `sampled`: τ measured at temperature 1, and
+    tree rounds timed sampling."""
     if not tokens_per_round:
         return None, None
-    trees = [(d, shape) for d, by_shape in tokens_per_round.items() for shape in by_shape if shape[1] > 1]
+    trees = [(d, shape, sampled) for d, by_shape in tokens_per_round.items() for shape in by_shape if shape[1] > 1]
     costs = measure(pair, list(tokens_per_round), progress, retune, trees=trees)
-    ranked = rank(costs, tokens_per_round)
+    ranked = rank(costs, tokens_per_round, sampled)
     return (ranked[0] if ranked else None), costs
 
 

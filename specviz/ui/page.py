@@ -189,7 +189,7 @@ def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
     (tools/costs.py); None for a preset without measured tokens per round."""
     for sampled, taus in PRESETS[preset].first_run_tables():
         if (preset, sampled) not in _MACHINE_CHOICES:
-            choice, costs = first_run(get_pair(preset, "", ""), taus, progress=log.info)
+            choice, costs = first_run(get_pair(preset, "", ""), taus, progress=log.info, sampled=sampled)
             if choice:
                 _MACHINE_CHOICES[preset, sampled] = choice, costs
     return _MACHINE_CHOICES.get((preset, False))
