@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,8 +28,6 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from ..models.leanllama import LeanLlama, slot_mask
 from .sampling import at_least_float32
-
-CACHE_KINDS = ("static", "dynamic", "none")
 
 
 @dataclass
@@ -167,20 +166,24 @@ def _move_layers(layers, row: int, src: torch.Tensor, dst: torch.Tensor) -> None
             cache[row, :, dst] = cache[row, :, src]
 
 
+# cache kind -> its storage for (model, capacity); a new kind plugs in here
+BACKENDS: dict[str, Callable[[PreTrainedModel, int], Backend]] = {
+    "static": StaticBackend,
+    "dynamic": lambda model, capacity: DynamicBackend(model),
+    "none": lambda model, capacity: NoCacheBackend(model),
+}
+CACHE_KINDS = tuple(BACKENDS)
+
+
 def make_backend(model: PreTrainedModel, kind: str, capacity: int, compile: bool = False) -> Backend:
+    """The kind's storage; for a Llama-family model's static cache, specviz's lean forward (compiled if asked)."""
+    if kind not in BACKENDS:
+        raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {kind!r}")
     lean = kind == "static" and LeanLlama.supports(model)
     if compile and not lean:
         _warn_once(f"specviz: --compile applies to the static cache of Llama-family models; "
                    f"{model.config.model_type} with the {kind} cache runs eager")
-    if lean:
-        return LeanLlama.of(model).backend(capacity, compile)
-    if kind == "static":
-        return StaticBackend(model, capacity)
-    if kind == "dynamic":
-        return DynamicBackend(model)
-    if kind == "none":
-        return NoCacheBackend(model)
-    raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {kind!r}")
+    return LeanLlama.of(model).backend(capacity, compile) if lean else BACKENDS[kind](model, capacity)
 
 
 @functools.cache
