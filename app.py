@@ -255,9 +255,10 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     show_rounds.change(handlers.rerender, [runs_state, show_rounds], [spec_html, base_html], api_visibility="private")
     token_pick.change(handlers.inspect_token, [runs_state, token_pick], fig_inspect, api_visibility="private")
     race_btn.click(handlers.race, runs_state, race_box, api_visibility="private")
-    preset.change(handlers.preset_changed, preset, [custom_target, custom_draft, drafter, gamma, gamma_policy, branch,
-                                                    nodes],
-                  api_visibility="private")
+    preset.change(handlers.preset_changed, [preset, temperature],
+                  [custom_target, custom_draft, drafter, gamma, gamma_policy, branch, nodes], api_visibility="private")
+    temperature.input(handlers.temperature_changed, [preset, temperature, drafter, gamma, branch, nodes],
+                      [drafter, gamma, branch, nodes, status], api_visibility="private")
     projector.change(None, projector, None, js=PROJECTOR_JS)
     demo.load(projector_from_url, None, projector, api_visibility="private")
     demo.load(handlers.page_opened, None, [drafter, gamma, branch, nodes, status], api_visibility="private")

@@ -41,7 +41,7 @@ def test_page_shows_coloured_tokens_charts_and_hover(app_url):
         page.goto(app_url, wait_until="domcontentloaded")
         page.locator("#run-btn").wait_for(timeout=60_000)
         page.get_by_label("Prompt").fill("The future of AI")
-        set_number(page, "temperature", "1")
+        raise_temperature(page)
         print(f"\nRun pressed -> first rendered round: {press_run(page):.2f} s (cold page)")
         page.locator("#status :text('done')").wait_for(timeout=300_000)
 
@@ -104,6 +104,21 @@ def set_number(page, name: str, value: str) -> None:
     box.press("Enter")
 
 
+def raise_temperature(page, value: str = "1") -> None:
+    """On a page just opened: the temperature above 0 moves the drafting controls from what is expected
+    fastest here greedy to what is when sampling (the same values where one shape wins both)."""
+    from playwright.sync_api import expect
+
+    from specviz.ui.page import first_run_values
+
+    for sampled in (False, True):
+        if sampled:
+            set_number(page, "temperature", value)
+        _, _, branch, nodes, _ = first_run_values("offline", sampled)
+        for box, want in (("#branch", branch), ("#nodes", nodes)):
+            expect(page.locator(f'{box} input[type="number"]')).to_have_value(str(want), timeout=30_000)
+
+
 def press_run(page) -> float:
     """Seconds from the click on Run to the first round's tokens in the page (timed in the page)."""
     page.evaluate(FIRST_ROUND_TIMER)
@@ -147,7 +162,7 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
         page.locator("#step-btn").wait_for(timeout=60_000)
         expect(page.locator("#projector input")).to_be_checked(timeout=30_000)  # from the URL
         page.wait_for_function("document.body.classList.contains('sv-projector')", timeout=30_000)
-        set_number(page, "temperature", "1")
+        raise_temperature(page)
         chain = page.locator('#branch input[type="number"]')  # a chain first (this machine may open on a tree)
         chain.fill("1")
         chain.press("Enter")

@@ -84,8 +84,10 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
 def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampling(monkeypatch):
     """A sampled tree keeps fewer tokens per node than a greedy one: with τ at temperature 1 in the preset,
     the shape chosen for sampling is the chain where the greedy choice is a tree, and the page says so."""
+    import gradio as gr
+
     from specviz.models.loading import Preset
-    from specviz.ui import page
+    from specviz.ui import handlers, page
 
     preset = Preset("p", "t", "d", "", tokens_per_round=(("eagle", 2, 1.8), ("eagle", 4, 2.4, 4, 8)),
                     sampled_tokens_per_round=(("eagle", 2, 1.6), ("eagle", 4, 1.7, 4, 8)))
@@ -100,8 +102,21 @@ def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampl
     drafter, gamma, branch, nodes, note = page.first_run_values("p")
     assert (drafter, gamma, branch, nodes) == ("eagle", 4, 4, 8)
     assert f"With a temperature above 0, eagle at γ = 2 is expected fastest here ({sampled.expected:.2f}x)." in note
+    assert "With a temperature of 0, eagle as a tree" in page.first_run_values("p", sampled=True)[4]
+
+    # in the app: raising the temperature moves untouched controls to the sampled choice, and back at 0
+    monkeypatch.setattr(handlers, "PRESETS", {"p": preset})
+    to_sampled = handlers.temperature_changed("p", 0.7, "eagle", 4, 4, 8)
+    assert [u["value"] for u in to_sampled[:4]] == ["eagle", 2, 1, 0] and "chosen for this machine" in to_sampled[4]
+    assert [u["value"] for u in handlers.temperature_changed("p", 0, "eagle", 2, 1, 0)[:4]] == ["eagle", 4, 4, 8]
+    skip = gr.skip()
+    assert handlers.temperature_changed("p", 0.7, "eagle", 3, 1, 0) == [skip] * 5  # set by the viewer: kept
+    assert handlers.temperature_changed("p", 0.9, "eagle", 2, 1, 0) == [skip] * 5  # already the sampled choice
+    assert [u["value"] for u in handlers.preset_changed("p", 0.7)[2:4]] == ["eagle", 2]
+
     monkeypatch.setattr(page, "_MACHINE_CHOICES", {("p", False): (greedy, flat), ("p", True): (greedy, flat)})
     assert "temperature above 0" not in page.first_run_values("p")[4]
+    assert handlers.temperature_changed("p", 0.7, "eagle", 4, 4, 8) == [skip] * 5  # one choice for both
 
 
 def test_a_sampled_tree_is_priced_by_its_own_round_not_the_greedy_one():

@@ -337,11 +337,25 @@ def page_opened():
     return gr.update(value=drafter), gr.update(value=gamma), gr.update(value=branch), gr.update(value=nodes), note
 
 
-def preset_changed(preset):
-    """Custom boxes shown for a custom pair; a preset's first-run settings (drafter, γ, policy)."""
+def temperature_changed(preset, temperature, drafter, gamma, branch, nodes):
+    """Across 0, the drafting controls follow to what is expected fastest here when sampling (or greedy),
+    unless the viewer has set them to something else; with the note that says why."""
+    if preset not in PRESETS:
+        return [gr.skip()] * 5
+    sampled = temperature > 0
+    *now, note = first_run_values(preset, sampled)
+    other = first_run_values(preset, not sampled)[:4]
+    if now == list(other) or [drafter, gamma, branch, nodes] != list(other):
+        return [gr.skip()] * 5
+    return [*(gr.update(value=v) for v in now), note]
+
+
+def preset_changed(preset, temperature=0.0):
+    """Custom boxes shown for a custom pair; a preset's first-run settings (drafter, γ, policy), for
+    sampling if the temperature is above 0."""
     boxes = [gr.update(visible=preset == CUSTOM)] * 2
     if preset not in PRESETS:
         return [*boxes, *[gr.skip()] * 5]
-    drafter, gamma, branch, nodes, _ = first_run_values(preset)
+    drafter, gamma, branch, nodes, _ = first_run_values(preset, temperature > 0)
     return [*boxes, gr.update(value=drafter), gr.update(value=gamma), gr.update(value=PRESETS[preset].gamma_policy),
             gr.update(value=branch), gr.update(value=nodes)]

@@ -195,15 +195,17 @@ def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
     return _MACHINE_CHOICES.get((preset, False))
 
 
-def first_run_values(preset: str) -> tuple[str, int, int, int, str]:
-    """(drafter, γ, branch, nodes, a note) for a first (greedy) run of this preset: measured here if already
-    known, else the preset's. The note names what is expected fastest when sampling, where that differs."""
-    known = _MACHINE_CHOICES.get((preset, False))
-    if known:
-        choice = known[0]
-        sampled = _MACHINE_CHOICES.get((preset, True), (choice,))[0]
-        also = (f" With a temperature above 0, {sampled.text} is expected fastest here ({sampled.expected:.2f}x)."
-                if (sampled.drafter, sampled.shape) != (choice.drafter, choice.shape) else "")
-        return choice.drafter, choice.gamma, choice.branch, choice.nodes, note_html(describe(*known) + also)
+def first_run_values(preset: str, sampled: bool = False) -> tuple[str, int, int, int, str]:
+    """(drafter, γ, branch, nodes, a note) for a first greedy (or sampled) run of this preset: measured here
+    if already known, else the preset's. The note names what is expected fastest in the other mode, where
+    that differs."""
+    mode = _MACHINE_CHOICES.get((preset, sampled)) or _MACHINE_CHOICES.get((preset, False))
+    if mode:
+        choice = mode[0]
+        other = (_MACHINE_CHOICES.get((preset, not sampled)) or mode)[0]
+        when = "a temperature of 0" if sampled else "a temperature above 0"
+        also = (f" With {when}, {other.text} is expected fastest here ({other.expected:.2f}x)."
+                if (other.drafter, other.shape) != (choice.drafter, choice.shape) else "")
+        return choice.drafter, choice.gamma, choice.branch, choice.nodes, note_html(describe(*mode) + also)
     first = PRESETS[preset]
     return first.drafter, first.gamma, first.branch, first.nodes, ""
