@@ -103,3 +103,17 @@ def test_rule_records_u_only_for_tested_tokens():
             assert v.u[i] < v.accept_probs[i]
         if v.n_accepted < 3:
             assert v.u[v.n_accepted] >= v.accept_probs[v.n_accepted]
+
+
+def test_sample_draws_each_token_at_its_probability_and_never_one_of_mass_zero(monkeypatch):
+    """Inverse CDF against the law it must follow: 400 000 draws from a vocabulary with holes (TV below
+    0.005; noise about 0.002), and the uniform's extremes, 0 and just below 1, land on tokens of mass."""
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    n = 400_000
+    counts = torch.bincount(sample(p.expand(n, -1), torch.Generator().manual_seed(0)), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    assert 0.5 * (counts / n - p).abs().sum() < 0.005
+    assert sample(torch.rand(3, 4, 7), None).shape == (3, 4)
+    for u in (0.0, 1.0 - 2**-53, 1.0):  # torch.rand never gives 1; float rounding of u · total might
+        monkeypatch.setattr(torch, "rand", lambda shape, u=u, **kw: torch.full(shape, u, dtype=kw["dtype"]))
+        assert int(sample(p, None)) == (1 if u == 0 else 4)
