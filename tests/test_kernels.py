@@ -241,7 +241,8 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
 @pytest.mark.parametrize("path", list(kernels.PATHS))
 def test_every_registered_path_gives_transformers_logits_at_a_step_and_a_verify(pattern_pair, fresh_tables, path):
     """Each path in the registry, chosen for every shape and row count, decodes what transformers
-    computes (float32): a new path is tested by adding its registry line."""
+    computes (float32): a new path is tested by adding its registry line. A lossy one (drafters only)
+    leaves the target on an exact path."""
     why = kernels.unavailable(torch.float32).get(path)
     if why:
         pytest.skip(f"{path} does not run on this CPU: {why}")
@@ -259,8 +260,44 @@ def test_every_registered_path_gives_transformers_logits_at_a_step_and_a_verify(
             logits = state.forward(torch.tensor([verify]), torch.ones(1, 3, dtype=torch.bool)).logits[0]
             step = state.forward(torch.tensor([words(5)]), torch.ones(1, 1, dtype=torch.bool)).logits[0, -1]
             full = pair.target(torch.tensor([prompt + verify[1:] + words(5)])).logits[0, -4:, :V].float()
-        assert lean.head.paths == {3: path, 1: path}
+        # a lossy path is never the target's: it takes the fastest exact one
+        assert lean.head.paths == ({3: "linear", 1: "linear"} if kernels.PATHS[path].lossy else {3: path, 1: path})
     finally:
         pair.target.__dict__.pop("_specviz_lean", None)
     torch.testing.assert_close(logits, full[:3], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(step, full[3], atol=1e-4, rtol=1e-4)
+
+
+def test_a_lossy_path_drafts_only_and_the_output_stays_exact(eagle_pair, fresh_tables, monkeypatch):
+    """int8 forced wherever it may go: only the EAGLE head's products take it; greedy tree text equals the
+    baseline's, and seeded sampled rows of a batch decode what they decode alone (each row quantized on
+    its own: with one scale for all rows, the head's q of a row would depend on the others)."""
+    from conftest import seeded_rows_and_single_runs
+
+    if why := kernels.unavailable(torch.float32).get("int8"):
+        pytest.skip(f"int8 does not run on this CPU: {why}")
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1.0], [30.0], [1e-3], [1], [1]])
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    packed = kernels._int8_pack(w, 1)
+    together = kernels._int8(x, packed, w, None, 5)
+    assert torch.equal(together[2:3], kernels._int8(x[2:3], packed, w, None, 1))  # a row alone: the same bits
+    assert ((together - x @ w.T).norm(dim=-1) / (x @ w.T).norm(dim=-1)).max() < 0.03  # close, not equal
+
+    pair = eagle_pair("llama")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "int8" if lossy else "linear")
+    head, saved = pair.head, (pair.head._lean, pair.head._lean_linears)
+    head._lean = head._lean_linears = None  # Linear modules built anew, asking the patched choice
+    _relinked(pair)
+    try:
+        prompt = words(3, 4, 5, 6, 7)
+        tree = Settings(gamma=3, branch=2, nodes=4, drafter="eagle", max_new_tokens=16)
+        spec = generate(pair, "", tree, prompt_ids=prompt)
+        assert spec.token_ids == generate(pair, "", tree, mode="baseline", prompt_ids=prompt).token_ids
+        assert {p for lin in head.lean_linears().values() for p in lin.paths.values()} == {"int8"}
+        assert "int8" not in {p for lin in LeanLlama.of(pair.target).linears() for p in lin.paths.values()}
+        sampled = Settings(gamma=2, branch=2, nodes=3, drafter="eagle", temperature=1.0, max_new_tokens=12)
+        rows, alone = seeded_rows_and_single_runs(pair, prompt, sampled, seeds=[1, 2, 3])
+        assert rows == alone
+    finally:
+        head._lean, head._lean_linears = saved
+        pair.target.__dict__.pop("_specviz_lean", None)

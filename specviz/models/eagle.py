@@ -194,9 +194,9 @@ class EagleHead(nn.Module):
     def lean_linears(self) -> dict[str, Linear]:
         """The drafting step's matrix products (built once per binding)."""
         if self._lean_linears is None:
-            self._lean_linears = {name: Linear(getattr(self, name).weight, None)
+            self._lean_linears = {name: Linear(getattr(self, name).weight, None, lossy=True)
                                   for name in ("in_proj", "qkv", "o", "gate_up", "down")}
-            self._lean_linears["out"] = Linear(self.out_weight, None)
+            self._lean_linears["out"] = Linear(self.out_weight, None, lossy=True)
         return self._lean_linears
 
     def forward_train(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:

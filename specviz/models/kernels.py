@@ -13,6 +13,11 @@ kept.
 
 A path is one registry line in PATHS: how to pack a weight (once, or once per row count) and how
 to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for its rows.
+
+One path is lossy: "int8" keeps weights as 8-bit integers per output row and quantizes each input row
+to 8 bits at run time. It is chosen only for a drafter's products (`Linear(lossy=True)`, the EAGLE
+head's): a draft only proposes, the target's verify decides, and q is what the drafter drew from, so
+speculative decoding stays exact with any drafter; the target never takes a lossy path.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import os
 import platform
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +59,7 @@ class KernelPath:
     pack: Callable[[torch.Tensor, int], torch.Tensor | None]  # (weight [N, K], rows) -> packed; raises if unsupported
     run: Callable[..., torch.Tensor]  # (x [..., K], packed, weight, bias, rows) -> [..., N]
     about: str = ""
+    lossy: bool = False  # other numbers than F.linear's beyond rounding: for drafters only
 
 
 def _plain(x, packed, weight, bias, rows):
@@ -74,6 +81,32 @@ def _mkl(x, packed, weight, bias, rows):
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
+def _int8_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """Symmetric int8 per output row, packed for the quantized engine (fbgemm on x86; raises where the
+    engine cannot run, or once PyTorch drops quantized tensors, which it has announced: then the path
+    is skipped like any other this CPU cannot run)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)  # the announcement
+        q = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def _int8(x, packed, weight, bias, rows):
+    """Each row scaled to max |x| = 1 and quantized with one range for all, [-1, 1], pinned by an extra
+    row (the engine takes its range from the whole input): so a row's result never depends on the rows
+    beside it, and a batch row drafts what it drafts alone. 7-bit activations (reduce_range), which CPUs
+    without VNNI need to not saturate."""
+    flat = x.reshape(-1, x.shape[-1])
+    top = flat.abs().amax(-1, keepdim=True).clamp_min(1e-30)  # [R, 1]
+    anchor = torch.zeros(1, flat.shape[-1], dtype=flat.dtype, device=flat.device)
+    anchor[0, 0], anchor[0, -1] = 1.0, -1.0
+    y = torch.ops.quantized.linear_dynamic(torch.cat([flat / top, anchor]), packed, True)[:-1] * top
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
 PATHS: dict[str, KernelPath] = {p.name: p for p in [
     KernelPath("linear", (torch.float32, torch.bfloat16, torch.float16, torch.float64), False, lambda w, r: None,
                _plain, "F.linear: ATen's own choice per call"),
@@ -83,6 +116,8 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
                "weights reordered once for oneDNN, for a batch of 16 rows (its blocked layout)"),
     KernelPath("mkl", (torch.float32,), True, lambda w, r: torch.ops.mkl._mkl_reorder_linear_weight(w, r), _mkl,
                "weights packed for MKL's sgemm, one copy per row count"),
+    KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
+               "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True),
 ]}
 
 
@@ -156,9 +191,10 @@ class KernelTable:
     skipped: dict[str, str] = field(default_factory=dict)  # path -> why this CPU cannot use it
     file: str = ""
 
-    def best(self, shape: str, rows: int, per_rows_ok: bool = True) -> str:
+    def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False) -> str:
         """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
-        above it (above the largest, the largest's fastest that needs no copy per row count)."""
+        above it (above the largest, the largest's fastest that needs no copy per row count); a lossy
+        path only where `lossy` (a drafter's product)."""
         by_rows = self.times.get(shape)
         if not by_rows:
             return "linear"
@@ -166,7 +202,8 @@ class KernelTable:
         at = next((r for r in timed if r >= rows), timed[-1])
         ms = by_rows[str(at)]
         fit = per_rows_ok and rows <= timed[-1]
-        candidates = {p: t for p, t in ms.items() if p in PATHS and (fit or not PATHS[p].per_rows)}
+        candidates = {p: t for p, t in ms.items()
+                      if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)}
         return min(candidates, key=candidates.get) if candidates else "linear"
 
     def save(self) -> None:
@@ -227,8 +264,8 @@ def _runs_here(path: KernelPath, dtype: torch.dtype) -> str:
     except Exception as err:  # noqa: BLE001 - an unsupported instruction set raises RuntimeError and others
         return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     want = F.linear(x.double(), w.double())
-    if not torch.allclose(got.double(), want, rtol=0.05, atol=0.05 if dtype in (torch.bfloat16, torch.float16)
-                          else 1e-3):
+    atol = 0.05 if dtype in (torch.bfloat16, torch.float16) else 1e-3
+    if not torch.allclose(got.double(), want, rtol=0.05, atol=0.05 * float(want.abs().max()) if path.lossy else atol):
         return "gives wrong results on this CPU"
     return ""
 
@@ -293,12 +330,13 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
             t.save()
 
 
-def choose(weight: torch.Tensor, rows: int) -> str:
-    """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be)."""
+def choose(weight: torch.Tensor, rows: int, lossy: bool = False) -> str:
+    """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be); a lossy
+    one only for a drafter's product."""
     key = shape_key(weight)
     if key not in table(weight.dtype).times:
         tune([weight])
-    return table(weight.dtype).best(key, rows)
+    return table(weight.dtype).best(key, rows, lossy=lossy)
 
 
 # --- the dtype `auto` picks on a CPU ---------------------------------------------------------------
@@ -344,7 +382,8 @@ def bandwidth_gbs(tensors: list[torch.Tensor]) -> float:
 
 
 def table_text(dtype: torch.dtype, shapes: Iterable[str] | None = None) -> str:
-    """Markdown: ms per call for every path at every row count, the chosen path starred."""
+    """Markdown: ms per call for every path at every row count, the chosen path starred (+: the choice
+    for a drafter's product, where a lossy path is)."""
     t = table(dtype)
     names = [p for p in PATHS if p not in t.skipped]
     lines = ["| shape (out x in) | path | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in ROWS) + " |",
@@ -355,7 +394,8 @@ def table_text(dtype: torch.dtype, shapes: Iterable[str] | None = None) -> str:
             cells = []
             for r in ROWS:
                 ms = by_rows.get(str(r), {}).get(name)
-                star = "*" if ms is not None and t.best(shape, r) == name else ""
+                star = "" if ms is None else "*" if t.best(shape, r) == name else \
+                    "+" if PATHS[name].lossy and t.best(shape, r, lossy=True) == name else ""
                 cells.append("–" if ms is None else f"{ms:.3f}{star}")
             lines.append(f"| {shape} | {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -70,10 +70,12 @@ def slot_mask(real: torch.Tensor, start: int, kv_len: int, visible: torch.Tensor
 
 class Linear(nn.Module):
     """y = x W^T + b, on CPU through the path this machine measured fastest for the shape and the
-    row count (kernels.py), weights packed for it on first use; elsewhere F.linear."""
+    row count (kernels.py), weights packed for it on first use; elsewhere F.linear. `lossy`: a
+    drafter's product, which may take a lossy path (int8) where that is fastest."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lossy: bool = False):
         super().__init__()
+        self.lossy = lossy
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.paths: dict[int, str] = {}  # rows -> path name, filled on first use of a row count
@@ -86,8 +88,8 @@ class Linear(nn.Module):
         if name is None:
             if torch.compiler.is_compiling():  # a row count not planned before tracing: plain
                 return "linear", None
-            name = self.paths[rows] = kernels.choose(self.weight, rows) if self.weight.device.type == "cpu" \
-                else "linear"
+            name = self.paths[rows] = kernels.choose(self.weight, rows, self.lossy) \
+                if self.weight.device.type == "cpu" else "linear"
         kind = kernels.PATHS[name]
         key = (name, rows if kind.per_rows else 0)
         packed = self.packs.get(key)
