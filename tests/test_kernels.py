@@ -73,6 +73,8 @@ def test_the_choice_is_the_fastest_at_the_nearest_timed_rows():
     assert t.best("8x8", 16) == "mkl"
     assert t.best("8x8", 40) == "linear"  # beyond the timed rows: no copy per row count
     assert t.best("other", 1) == "linear"  # never measured
+    lossy = kernels.KernelTable({}, "float32", {"8x8": {"1": {"linear": 1.0, "onednn": 0.9, "int8": 0.5}}})
+    assert lossy.best("8x8", 1) == "onednn" and lossy.best("8x8", 1, lossy=True) == "int8"  # int8: drafters only
 
 
 def test_a_machine_keys_its_own_table(monkeypatch):

@@ -362,10 +362,13 @@ def compare_dtypes(out_features: int, in_features: int, rows: tuple[int, ...] = 
 
 
 def summary(dtype: torch.dtype) -> dict:
-    """The table's choices for a run's JSON: shape -> rows -> path, and what was skipped."""
+    """The table's choices for a run's JSON: shape -> rows -> path, a drafter's where a lossy path changes
+    them, and what was skipped."""
     t = table(dtype)
-    return {"machine": describe_machine(t.machine), "dtype": t.dtype, "skipped": t.skipped,
-            "choice": {s: {r: t.best(s, int(r)) for r in by_rows} for s, by_rows in t.times.items()}}
+    drafting = {s: {r: t.best(s, int(r), lossy=True) for r in by_rows} for s, by_rows in t.times.items()}
+    choice = {s: {r: t.best(s, int(r)) for r in by_rows} for s, by_rows in t.times.items()}
+    return {"machine": describe_machine(t.machine), "dtype": t.dtype, "skipped": t.skipped, "choice": choice,
+            "drafting": {s: rows for s, rows in drafting.items() if rows != choice[s]}}
 
 
 def bandwidth_gbs(tensors: list[torch.Tensor]) -> float:

@@ -560,7 +560,8 @@ def environment(pair: ModelPair) -> dict:
            "cpu": platform.processor() or platform.machine(), "target": pair.target_name, "draft": pair.draft_name}
     if pair.device.type == "cpu":
         env["cpu"] = kernels.describe_machine()
-        env["kernels"] = kernels.summary(pair.dtype)["choice"]
+        chosen = kernels.summary(pair.dtype)
+        env["kernels"], env["drafting_kernels"] = chosen["choice"], chosen["drafting"]
     return env
 
 
