@@ -64,7 +64,8 @@ class Preset:
     tokens_per_round: tuple[tuple, ...] = ()
     # the same at temperature 1 (three seeds per prompt): a sampled tree keeps fewer tokens per node than a
     # greedy one (its nodes are drawn, not chosen), so what pays differs; a sampled first run chooses by these.
-    # Only shapes the greedy table has: the round costs measured and kept are those of one table's shapes
+    # Only shapes the greedy table has: a sampled-only shape's verify width would make the second first run
+    # time every forward again (tools/costs.py)
     sampled_tokens_per_round: tuple[tuple, ...] = ()
 
     def taus(self, sampled: bool = False) -> dict[str, dict[tuple[int, int, int], float]]:

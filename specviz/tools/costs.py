@@ -195,11 +195,11 @@ def _file(pair: ModelPair, compiled: bool) -> Path:
     return cache_root() / "costs" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 
 
-Tree = tuple[str, Shape, bool]  # (drafter, shape, timed sampling)
+TreeRound = tuple[str, Shape, bool]  # a tree round to time: (drafter, shape, sampled)
 
 
 def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = None, retune: bool = False,
-            compiled: bool | None = None, trees: list[Tree] = ()) -> Costs:
+            compiled: bool | None = None, trees: list[TreeRound] = ()) -> Costs:
     """This machine's costs for the pair: from the cache, with what it lacks measured and added (all of
     it measured anew with retune)."""
     compiled = compile_by_default() if compiled is None else compiled
@@ -227,12 +227,12 @@ def _stored(file: Path) -> Costs | None:
         return None
 
 
-def _covers(costs: Costs | None, drafters: list[str], trees: list[Tree]) -> bool:
+def _covers(costs: Costs | None, drafters: list[str], trees: list[TreeRound]) -> bool:
     return costs is not None and all(d in costs.draft_ms for d in drafters) and all(
         tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees)
 
 
-def _measure(pair: ModelPair, drafters: list[str], trees: list[Tree], compiled: bool, file: Path,
+def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compiled: bool, file: Path,
              progress: Progress | None, known: Costs | None = None) -> Costs:
     """Time what `known` lacks (all, without it: the forwards, a short decode per drafter and tree), and
     store the whole in file."""
