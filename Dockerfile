@@ -2,6 +2,9 @@
 # The offline default pair is built into the image, so the container starts with no model hub.
 FROM python:3.11-slim
 
+# a C compiler: specviz builds its own AVX2 matrix-product kernel on first use (specviz/models/native.py)
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 1000 user
 USER 1000:1000
 ENV HOME=/home/user \

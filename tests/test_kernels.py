@@ -306,3 +306,57 @@ def test_a_lossy_path_drafts_only_and_the_output_stays_exact(eagle_pair, fresh_t
     finally:
         head._lean, head._lean_linears = saved
         pair.target.__dict__.pop("_specviz_lean", None)
+
+
+def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables):
+    """gemm_avx2.c against float64 for every row count up to 13 (passes of 1-6 rows), a width that is
+    not a multiple of its 16-column blocks, and a bias; a row's numbers are bitwise the same alone and
+    among others (each output is one k-ordered chain of FMAs), so a batch row drafts and verifies what it
+    would alone."""
+    from specviz.models import native
+
+    if why := kernels.unavailable(torch.float32).get("avx2"):
+        pytest.skip(f"our kernel does not run here: {why}")
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(37, 70, generator=gen), torch.randn(37, generator=gen)
+    x = torch.randn(13, 70, generator=gen)
+    packed = native.pack(w, 1)
+    assert packed.shape == (3, 70, 16) and torch.equal(packed[2, :, 5:], torch.zeros(70, 11))
+    alone = torch.cat([native.run(x[i:i + 1], packed, w, b, 1) for i in range(13)])
+    torch.testing.assert_close(alone.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-5)
+    for rows in range(2, 14):
+        together = native.run(x[:rows].view(1, rows, 70), packed, w, b, rows)
+        assert together.shape == (1, rows, 37) and torch.equal(together[0], alone[:rows]), rows
+
+
+def test_our_kernel_is_skipped_without_a_compiler_and_built_once(fresh_tables, monkeypatch):
+    """No C compiler: the path is skipped with the reason, and models take the others. With one, the
+    library is compiled once into the cache folder and later loads find it there."""
+    from specviz.models import native
+
+    if torch.backends.cpu.get_cpu_capability().lower() not in ("avx2", "avx512"):
+        pytest.skip("this CPU runs no AVX2 kernels")
+    compiler = native._compiler
+    native.library.cache_clear()
+    monkeypatch.setattr(native, "_compiler", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler found")))
+    assert "no C compiler found" in kernels.unavailable(torch.float32)["avx2"]
+    monkeypatch.setattr(native, "_compiler", compiler)
+    native.library.cache_clear()
+    built = native.build()
+    assert built.parent == fresh_tables / "kernels" and built.name.startswith("gemm-avx2-")
+    calls = []
+    monkeypatch.setattr(native, "_compiler", lambda: calls.append(1) or "cc")
+    assert native.build() == built and not calls and "avx2" not in kernels.unavailable(torch.float32)
+
+
+def test_without_avx2_our_kernel_is_skipped_and_decoding_runs(pattern_dirs, tmp_path):
+    """ATen capped below AVX2 (a CPU without it, as far as our kernel can tell): the path is skipped with
+    the reason, float32 decodes on the others, speculative = baseline."""
+    target, draft = pattern_dirs("llama")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "SPECVIZ_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", FORCED + "print(t.skipped.get('avx2'))", str(target), str(draft),
+                          "float32"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    verdict, why = out.stdout.strip().splitlines()[-2:]
+    assert "'avx2'" in verdict.split(" | ")[2] and verdict.endswith("True")
+    assert "needs AVX2 and FMA" in why

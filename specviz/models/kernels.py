@@ -39,6 +39,7 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .cachedir import cache_root, locked
 
 ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wider verifies and drafts
@@ -116,6 +117,8 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
                "weights reordered once for oneDNN, for a batch of 16 rows (its blocked layout)"),
     KernelPath("mkl", (torch.float32,), True, lambda w, r: torch.ops.mkl._mkl_reorder_linear_weight(w, r), _mkl,
                "weights packed for MKL's sgemm, one copy per row count"),
+    KernelPath("avx2", (torch.float32,), False, native.pack, native.run,
+               "specviz's own AVX2/FMA kernel: weights in 16-column blocks, up to 6 rows per pass (native.py)"),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True),
 ]}
@@ -169,8 +172,13 @@ def describe_machine(m: dict | None = None) -> str:
     return f"{m['cpu']} ({cpu_class(m)}; {' '.join(m['isa']) or 'no AVX'}), {m['threads']} threads, torch {m['torch']}"
 
 
+def registry() -> list[str]:
+    """What the timings depend on besides the machine: the paths, and our own kernel's build."""
+    return [*sorted(PATHS), native.digest()]
+
+
 def _key(m: dict, dtype: torch.dtype) -> str:
-    facts = json.dumps([m, str(dtype), sorted(PATHS)], sort_keys=True)  # a new path: a new table
+    facts = json.dumps([m, str(dtype), registry()], sort_keys=True)  # a new or changed path: a new table
     return f"{str(dtype).removeprefix('torch.')}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
 
 

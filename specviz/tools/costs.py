@@ -190,7 +190,7 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
 
 
 def _file(pair: ModelPair, compiled: bool) -> Path:
-    facts = json.dumps([kernels.machine(), sorted(kernels.PATHS), str(pair.dtype), pair.target_name, pair.draft_name,
+    facts = json.dumps([kernels.machine(), kernels.registry(), str(pair.dtype), pair.target_name, pair.draft_name,
                         pair.head_name, compiled], sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 

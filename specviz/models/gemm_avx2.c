@@ -1,0 +1,67 @@
+/* y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) in float32 with AVX2 and FMA: specviz's own kernel path
+   (kernels.py, "avx2"). The weight is packed once as [ceil(n / 16)][k][16]: a block of 16 output
+   columns is 16 consecutive floats per k, read once from memory per call and kept in cache while up
+   to 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 ymm registers) pass
+   over it. Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
+   result never depends on the rows beside it. Blocks are shared among OpenMP threads (torch's
+   runtime: the process loads one libgomp, and torch.set_num_threads sets its thread count). */
+#include <immintrin.h>
+#include <stddef.h>
+
+static inline __attribute__((always_inline)) void
+store_row(const __m256 lo, const __m256 hi, const float *b, float *y, int n, int n0)
+{
+    float out[16];
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    int cols = n - n0 < 16 ? n - n0 : 16;
+    for (int c = 0; c < cols; c++)
+        y[n0 + c] = b ? out[c] + b[n0 + c] : out[c];
+}
+
+/* One pass of `rows` (1-6, a constant where it is inlined) rows over one block. The accumulators are
+   named variables, not an array: compilers keep an indexed array in memory and store it every k. */
+#define ROW(r, lo, hi)                                                                             \
+    if (rows > r) {                                                                                \
+        __m256 xv = _mm256_broadcast_ss(x + (size_t)r * k_len + k);                                \
+        lo = _mm256_fmadd_ps(xv, w0, lo);                                                          \
+        hi = _mm256_fmadd_ps(xv, w1, hi);                                                          \
+    }
+#define STORE(r, lo, hi) if (rows > r) store_row(lo, hi, b, y + (size_t)r * n, n, n0);
+
+static inline __attribute__((always_inline)) void
+rows_by_block(const float *x, const float *wb, const float *b, float *y, int rows, int k_len, int n, int n0)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0,
+           e0 = a0, e1 = a0, f0 = a0, f1 = a0;
+    for (int k = 0; k < k_len; k++) {
+        __m256 w0 = _mm256_loadu_ps(wb + 16 * (size_t)k), w1 = _mm256_loadu_ps(wb + 16 * (size_t)k + 8);
+        ROW(0, a0, a1) ROW(1, b0, b1) ROW(2, c0, c1) ROW(3, d0, d1) ROW(4, e0, e1) ROW(5, f0, f1)
+    }
+    STORE(0, a0, a1) STORE(1, b0, b1) STORE(2, c0, c1) STORE(3, d0, d1) STORE(4, e0, e1) STORE(5, f0, f1)
+}
+
+void specviz_gemm(const float *x, const float *w, const float *b, float *y, int m, int n, int k_len)
+{
+    /* rows in passes of at most 6, as even as can be (8 rows: 4 + 4, not 6 + 2): a pass of r rows
+       keeps 2r FMA chains going, and fewer than about 8 leave the FMA units waiting on latency */
+    int passes = (m + 5) / 6, blocks = (n + 15) / 16;
+#pragma omp parallel for schedule(static)
+    for (int j = 0; j < blocks; j++) {
+        const float *wb = w + (size_t)j * k_len * 16;
+        for (int p = 0, m0 = 0; p < passes; p++) {
+            int rows = m / passes + (p < m % passes);
+            const float *xs = x + (size_t)m0 * k_len;
+            float *ys = y + (size_t)m0 * n;
+            switch (rows) { /* a constant row count per case: accumulators in registers */
+            case 1: rows_by_block(xs, wb, b, ys, 1, k_len, n, j * 16); break;
+            case 2: rows_by_block(xs, wb, b, ys, 2, k_len, n, j * 16); break;
+            case 3: rows_by_block(xs, wb, b, ys, 3, k_len, n, j * 16); break;
+            case 4: rows_by_block(xs, wb, b, ys, 4, k_len, n, j * 16); break;
+            case 5: rows_by_block(xs, wb, b, ys, 5, k_len, n, j * 16); break;
+            default: rows_by_block(xs, wb, b, ys, 6, k_len, n, j * 16); break;
+            }
+            m0 += rows;
+        }
+    }
+}

@@ -1,0 +1,99 @@
+"""specviz's own float32 matrix-product kernel for AVX2 CPUs (`gemm_avx2.c`), built on first use.
+
+The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
+multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
+weight streamed once per call in 16-column blocks ran the target's products at 1-9 rows faster than
+oneDNN's and MKL's packed weights. It is one more path in kernels.PATHS, chosen per shape and row
+count by this machine's timings like the others, and skipped where it cannot run: the C source is
+compiled with the system's C compiler (the one inductor also uses) into the specviz cache folder
+once per machine, and loaded with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .cachedir import cache_root, locked
+
+SOURCE = Path(__file__).with_name("gemm_avx2.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+BLOCK = 16  # output columns per packed block (gemm_avx2.c)
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
+        if name and (found := shutil.which(name)):
+            return found
+    raise RuntimeError("no C compiler found (cc, gcc or clang)")
+
+
+def digest() -> str:
+    """What the built library and the timings of it depend on: the source and the flags."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
+def build() -> Path:
+    """The shared library in the cache folder, compiled now if it is not there (once per machine:
+    processes sharing the folder wait for the first); raises with the compiler's words if it fails."""
+    built = cache_root() / "kernels" / f"gemm-avx2-{digest()}.so"
+    if built.is_file():
+        return built
+    with locked(built):
+        if built.is_file():  # another process built it meanwhile
+            return built
+        compiler = _compiler()
+        fd, tmp = tempfile.mkstemp(dir=built.parent, prefix=built.name, suffix=".tmp")
+        os.close(fd)
+        try:
+            out = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                                 timeout=120)
+            if out.returncode:
+                raise RuntimeError(f"{Path(compiler).name} failed: {out.stderr.strip()[-300:]}")
+            os.replace(tmp, built)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return built
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The kernel, built if need be and loaded; raises with the reason where this process cannot run it."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    if capability not in ("avx2", "avx512"):  # ATen's own check of AVX2 and FMA (ATEN_CPU_CAPABILITY caps it)
+        raise RuntimeError(f"needs AVX2 and FMA (ATen runs {capability} kernels here)")
+    lib = ctypes.CDLL(str(build()))
+    lib.specviz_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.specviz_gemm.restype = None
+    return lib
+
+
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """weight [N, K] float32 -> [ceil(N / 16), K, 16], zero-padded columns."""
+    library()  # unavailable here: raise now, so the path is skipped before any model uses it
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.float32)
+    padded[:n] = weight.detach().float()
+    return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        rows: int) -> torch.Tensor:
+    """x [..., K] @ weight.T + bias -> [..., N], through the packed blocks."""
+    n, k = weight.shape
+    flat = x.reshape(-1, k).contiguous()
+    if flat.dtype != torch.float32:
+        raise TypeError(f"the avx2 kernel multiplies float32, got {flat.dtype}")
+    y = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    b = None if bias is None else bias.detach().float().contiguous()
+    library().specviz_gemm(flat.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                           flat.shape[0], n, k)
+    return y.reshape(*x.shape[:-1], n)
