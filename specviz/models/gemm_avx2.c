@@ -2,7 +2,9 @@
    (kernels.py, "avx2"). The weight is packed once as [ceil(n / 16)][k][16]: a block of 16 output
    columns is 16 consecutive floats per k, read once from memory per call and kept in cache while up
    to 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 ymm registers) pass
-   over it. Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
+   over it; with more than one row the first pass also prefetches the next block (the hardware
+   prefetcher alone left memory idle while a pass computed, on the AVX2 CPU this was timed on).
+   Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
    result never depends on the rows beside it. Blocks are shared among OpenMP threads (torch's
    runtime: the process loads one libgomp, and torch.set_num_threads sets its thread count). */
 #include <immintrin.h>
@@ -30,11 +32,14 @@ store_row(const __m256 lo, const __m256 hi, const float *b, float *y, int n, int
 #define STORE(r, lo, hi) if (rows > r) store_row(lo, hi, b, y + (size_t)r * n, n, n0);
 
 static inline __attribute__((always_inline)) void
-rows_by_block(const float *x, const float *wb, const float *b, float *y, int rows, int k_len, int n, int n0)
+rows_by_block(const float *x, const float *wb, const float *next, const float *b, float *y, int rows, int k_len, int n,
+              int n0)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0,
            e0 = a0, e1 = a0, f0 = a0, f1 = a0;
     for (int k = 0; k < k_len; k++) {
+        if (next) /* the next block, a 64-byte line per k, while this one computes */
+            _mm_prefetch((const char *)(next + 16 * (size_t)k), _MM_HINT_T0);
         __m256 w0 = _mm256_loadu_ps(wb + 16 * (size_t)k), w1 = _mm256_loadu_ps(wb + 16 * (size_t)k + 8);
         ROW(0, a0, a1) ROW(1, b0, b1) ROW(2, c0, c1) ROW(3, d0, d1) ROW(4, e0, e1) ROW(5, f0, f1)
     }
@@ -52,14 +57,15 @@ void specviz_gemm(const float *x, const float *w, const float *b, float *y, int 
         for (int p = 0, m0 = 0; p < passes; p++) {
             int rows = m / passes + (p < m % passes);
             const float *xs = x + (size_t)m0 * k_len;
+            const float *next = m > 1 && p == 0 && j + 1 < blocks ? wb + (size_t)k_len * 16 : 0;
             float *ys = y + (size_t)m0 * n;
             switch (rows) { /* a constant row count per case: accumulators in registers */
-            case 1: rows_by_block(xs, wb, b, ys, 1, k_len, n, j * 16); break;
-            case 2: rows_by_block(xs, wb, b, ys, 2, k_len, n, j * 16); break;
-            case 3: rows_by_block(xs, wb, b, ys, 3, k_len, n, j * 16); break;
-            case 4: rows_by_block(xs, wb, b, ys, 4, k_len, n, j * 16); break;
-            case 5: rows_by_block(xs, wb, b, ys, 5, k_len, n, j * 16); break;
-            default: rows_by_block(xs, wb, b, ys, 6, k_len, n, j * 16); break;
+            case 1: rows_by_block(xs, wb, next, b, ys, 1, k_len, n, j * 16); break;
+            case 2: rows_by_block(xs, wb, next, b, ys, 2, k_len, n, j * 16); break;
+            case 3: rows_by_block(xs, wb, next, b, ys, 3, k_len, n, j * 16); break;
+            case 4: rows_by_block(xs, wb, next, b, ys, 4, k_len, n, j * 16); break;
+            case 5: rows_by_block(xs, wb, next, b, ys, 5, k_len, n, j * 16); break;
+            default: rows_by_block(xs, wb, next, b, ys, 6, k_len, n, j * 16); break;
             }
             m0 += rows;
         }
