@@ -67,9 +67,10 @@ def test_pip_install_into_a_fresh_venv_gives_a_working_specviz_command(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     help_text = subprocess.run([command, "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert help_text.returncode == 0 and "generate" in help_text.stdout and "distill" in help_text.stdout
-    where = subprocess.run([python, "-c", "import specviz.models.loading as m; print(m.__file__); print(m.ASSETS)"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path).stdout.split()
-    assert all(path.startswith(fresh_site) for path in where), where  # the installed copy and its assets
+    show = ("import specviz.models.loading as m, specviz.models.native as n; print(m.__file__); print(m.ASSETS); "
+            "print(n.SOURCE if n.SOURCE.is_file() else 'no-kernel-source')")
+    where = subprocess.run([python, "-c", show], capture_output=True, text=True, env=env, cwd=tmp_path).stdout.split()
+    assert len(where) == 3 and all(path.startswith(fresh_site) for path in where), where  # the copy, assets, C source
     run = subprocess.run([command, "generate", "--prompt", "The future of AI", "--max-new-tokens", "6",
                           "--color", "never"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
