@@ -2,11 +2,11 @@
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
-weight streamed once per call in 16-column blocks ran the target's products at 1-9 rows faster than
-oneDNN's and MKL's packed weights. It is one more path in kernels.PATHS, chosen per shape and row
-count by this machine's timings like the others, and skipped where it cannot run: the C source is
-compiled with the system's C compiler (the one inductor also uses) into the specviz cache folder
-once per machine, and loaded with ctypes.
+weight streamed once per call in 16-column blocks ran every product of the target, at every row
+count timed (1-16), faster than oneDNN's and MKL's packed weights. It is one more path in
+kernels.PATHS, chosen per shape and row count by this machine's timings like the others, and
+skipped where it cannot run: the C source is compiled with the system's C compiler (the one
+inductor also uses) into the specviz cache folder once per machine, and loaded with ctypes.
 """
 
 from __future__ import annotations
