@@ -96,7 +96,6 @@ def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch
     if flat.dtype != torch.float32:
         raise TypeError(f"the avx2 kernel multiplies float32, got {flat.dtype}")
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    b = None if bias is None else bias.detach().float().contiguous()
-    library().specviz_gemm(flat.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                           flat.shape[0], n, k)
+    library().specviz_gemm(flat.data_ptr(), packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                           y.data_ptr(), flat.shape[0], n, k)
     return y.reshape(*x.shape[:-1], n)
