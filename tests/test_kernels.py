@@ -316,11 +316,13 @@ def test_a_lossy_path_drafts_only_and_the_output_stays_exact(eagle_pair, fresh_t
         pair.target.__dict__.pop("_specviz_lean", None)
 
 
-def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables):
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables, weights):
     """gemm_avx2.c against float64 for every row count up to 13 (passes of 1-6 rows), a width that is
     not a multiple of its 16-column blocks, and a bias; a row's numbers are bitwise the same alone and
     among others (each output is one k-ordered chain of FMAs), so a batch row drafts and verifies what it
-    would alone."""
+    would alone. Weights packed as bfloat16 (the drafters' "avx2-bf16") give the product of the weights
+    rounded to bfloat16, summed in float32: nothing else is lost."""
     from specviz.models import native
 
     if why := kernels.unavailable(torch.float32).get("avx2"):
@@ -328,10 +330,13 @@ def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables):
     gen = torch.Generator().manual_seed(0)
     w, b = torch.randn(37, 70, generator=gen), torch.randn(37, generator=gen)
     x = torch.randn(13, 70, generator=gen)
-    packed = native.pack(w, 1)
-    assert packed.shape == (3, 70, 16) and torch.equal(packed[2, :, 5:], torch.zeros(70, 11))
+    packed = native.pack(w, weights)
+    assert packed.shape == (3, 70, 16) and packed.dtype == weights and not packed[2, :, 5:].any()
     alone = torch.cat([native.run(x[i:i + 1], packed, w, b, 1) for i in range(13)])
-    torch.testing.assert_close(alone.double(), x.double() @ w.double().T + b.double(), rtol=1e-5, atol=1e-5)
+    rounded = w.to(weights).double()  # what the kernel multiplies by
+    torch.testing.assert_close(alone.double(), x.double() @ rounded.T + b.double(), rtol=1e-5, atol=1e-5)
+    if weights == torch.bfloat16:  # and it is not the float32 product: the test would see a lost rounding
+        assert (alone.double() - (x.double() @ w.double().T + b.double())).abs().max() > 1e-3
     for rows in range(2, 14):
         together = native.run(x[:rows].view(1, rows, 70), packed, w, b, rows)
         assert together.shape == (1, rows, 37) and torch.equal(together[0], alone[:rows]), rows

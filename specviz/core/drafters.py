@@ -212,7 +212,7 @@ class EagleDrafter:
                 tokens[row, width - n :] = seq[start + 1 : start + 1 + n]
                 positions[row, width - n :] = slots[row, width - n :] = torch.arange(start, start + n, device=device)
                 cache.lengths[row] += n
-        h, logits = self.head.step(cache, tokens, self.head.features_in(feats), slots, positions)
+        h, logits = self.head.step(cache, tokens, self.head.features_in(feats, lean=True), slots, positions)
         self.pending = [f[:0] for f in self.pending]
         return h[:, -1:], logits[:, -1]
 

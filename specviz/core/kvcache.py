@@ -271,17 +271,15 @@ class Tree:
     def of(parents: list[list[int]], width: int, device: torch.device) -> Tree:
         """parents[b][i]: the parent of node i (slot 1 + i), -1 for the root; slots past a row's nodes
         are holes (depth 0, seeing themselves only)."""
-        depth = torch.zeros(len(parents), width, dtype=torch.long)
-        visible = torch.eye(width, dtype=torch.bool).repeat(len(parents), 1, 1)
-        for b, row in enumerate(parents):
-            visible[b, 1 : 1 + len(row), 0] = True
-            for i, parent in enumerate(row):  # parents come first: their rows are complete
-                if parent >= 0:
-                    visible[b, 1 + i] |= visible[b, 1 + parent]
-                    depth[b, 1 + i] = depth[b, 1 + parent] + 1
-                else:
-                    depth[b, 1 + i] = 1
-        return Tree(depth.to(device), visible.to(device))
+        depths, visible = [], []  # built as lists, made tensors once (a round's tree is small)
+        for row in parents:
+            depth, seen = [0] * width, [{i} for i in range(width)]  # seen[i]: slots i attends to
+            for i, parent in enumerate(row):  # parents come first: their sets are complete
+                depth[1 + i] = depth[1 + parent] + 1 if parent >= 0 else 1
+                seen[1 + i] |= seen[1 + parent] if parent >= 0 else {0}
+            depths.append(depth)
+            visible.append([[j in s for j in range(width)] for s in seen])
+        return Tree(torch.tensor(depths, device=device), torch.tensor(visible, dtype=torch.bool, device=device))
 
 
 def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

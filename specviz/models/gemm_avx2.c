@@ -1,17 +1,21 @@
-/* y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) in float32 with AVX2 and FMA: specviz's own kernel path
-   (kernels.py, "avx2"). The weight is packed once as [ceil(n / 16)][k][16]: a block of 16 output
-   columns is 16 consecutive floats per k, read once from memory per call and kept in cache while up
-   to 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 ymm registers) pass
-   over it; with more than one row the first pass also prefetches the next block (the hardware
+/* y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) in float32 with AVX2 and FMA: specviz's own kernel paths
+   (kernels.py, "avx2" and "avx2-bf16"). The weight is packed once as [ceil(n / 16)][k][16]: a block of
+   16 output columns is 16 consecutive weights per k, read once from memory per call and kept in cache
+   while up to 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 ymm registers)
+   pass over it; with more than one row the first pass also prefetches the next block (the hardware
    prefetcher alone left memory idle while a pass computed, on the AVX2 CPU this was timed on).
+   Weights are float32 (specviz_gemm) or bfloat16 (specviz_gemm_bf16: half the bytes to stream, each
+   widened to float32 in registers, exactly; x, the sums and y stay float32).
    Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
    result never depends on the rows beside it. Blocks are shared among OpenMP threads (torch's
    runtime: the process loads one libgomp, and torch.set_num_threads sets its thread count). */
 #include <immintrin.h>
 #include <stddef.h>
+#include <stdint.h>
 
-static inline __attribute__((always_inline)) void
-store_row(const __m256 lo, const __m256 hi, const float *b, float *y, int n, int n0)
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void store_row(const __m256 lo, const __m256 hi, const float *b, float *y, int n, int n0)
 {
     float out[16];
     _mm256_storeu_ps(out, lo);
@@ -19,6 +23,20 @@ store_row(const __m256 lo, const __m256 hi, const float *b, float *y, int n, int
     int cols = n - n0 < 16 ? n - n0 : 16;
     for (int c = 0; c < cols; c++)
         y[n0 + c] = b ? out[c] + b[n0 + c] : out[c];
+}
+
+/* The 16 weights of a block at k as two float32 vectors (bf16: a literal 0 or 1 where inlined). A
+   bfloat16 is the top half of a float32: zero-extend each to 32 bits and shift it up. */
+INLINE void load16(const void *wb, int bf16, int k, __m256 *w0, __m256 *w1)
+{
+    if (bf16) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)wb + 16 * (size_t)k));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+    } else {
+        *w0 = _mm256_loadu_ps((const float *)wb + 16 * (size_t)k);
+        *w1 = _mm256_loadu_ps((const float *)wb + 16 * (size_t)k + 8);
+    }
 }
 
 /* One pass of `rows` (1-6, a constant where it is inlined) rows over one block. The accumulators are
@@ -31,43 +49,55 @@ store_row(const __m256 lo, const __m256 hi, const float *b, float *y, int n, int
     }
 #define STORE(r, lo, hi) if (rows > r) store_row(lo, hi, b, y + (size_t)r * n, n, n0);
 
-static inline __attribute__((always_inline)) void
-rows_by_block(const float *x, const float *wb, const float *next, const float *b, float *y, int rows, int k_len, int n,
-              int n0)
+INLINE void rows_by_block(const float *x, const void *wb, const char *next, int bf16, const float *b, float *y,
+                          int rows, int k_len, int n, int n0)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0,
-           e0 = a0, e1 = a0, f0 = a0, f1 = a0;
+           e0 = a0, e1 = a0, f0 = a0, f1 = a0, w0, w1;
+    size_t line = bf16 ? 32 : 64; /* bytes of one k's 16 weights */
     for (int k = 0; k < k_len; k++) {
-        if (next) /* the next block, a 64-byte line per k, while this one computes */
-            _mm_prefetch((const char *)(next + 16 * (size_t)k), _MM_HINT_T0);
-        __m256 w0 = _mm256_loadu_ps(wb + 16 * (size_t)k), w1 = _mm256_loadu_ps(wb + 16 * (size_t)k + 8);
+        if (next) /* the next block, as much per k as this one reads, while this one computes */
+            _mm_prefetch(next + line * k, _MM_HINT_T0);
+        load16(wb, bf16, k, &w0, &w1);
         ROW(0, a0, a1) ROW(1, b0, b1) ROW(2, c0, c1) ROW(3, d0, d1) ROW(4, e0, e1) ROW(5, f0, f1)
     }
     STORE(0, a0, a1) STORE(1, b0, b1) STORE(2, c0, c1) STORE(3, d0, d1) STORE(4, e0, e1) STORE(5, f0, f1)
 }
 
+/* Every row times block j: rows in passes of at most 6, as even as can be (8 rows: 4 + 4, not 6 + 2),
+   since a pass of r rows keeps 2r FMA chains going and fewer than about 8 leave the FMA units waiting. */
+INLINE void block(const float *x, const void *w, int bf16, const float *b, float *y, int m, int n, int k_len, int j)
+{
+    size_t bytes = (size_t)k_len * 16 * (bf16 ? 2 : 4); /* one packed block */
+    const char *wb = (const char *)w + j * bytes;
+    int passes = (m + 5) / 6, blocks = (n + 15) / 16;
+    for (int p = 0, m0 = 0; p < passes; p++) {
+        int rows = m / passes + (p < m % passes);
+        const float *xs = x + (size_t)m0 * k_len;
+        const char *next = m > 1 && p == 0 && j + 1 < blocks ? wb + bytes : 0;
+        float *ys = y + (size_t)m0 * n;
+        switch (rows) { /* a constant row count per case: accumulators in registers */
+        case 1: rows_by_block(xs, wb, next, bf16, b, ys, 1, k_len, n, j * 16); break;
+        case 2: rows_by_block(xs, wb, next, bf16, b, ys, 2, k_len, n, j * 16); break;
+        case 3: rows_by_block(xs, wb, next, bf16, b, ys, 3, k_len, n, j * 16); break;
+        case 4: rows_by_block(xs, wb, next, bf16, b, ys, 4, k_len, n, j * 16); break;
+        case 5: rows_by_block(xs, wb, next, bf16, b, ys, 5, k_len, n, j * 16); break;
+        default: rows_by_block(xs, wb, next, bf16, b, ys, 6, k_len, n, j * 16); break;
+        }
+        m0 += rows;
+    }
+}
+
 void specviz_gemm(const float *x, const float *w, const float *b, float *y, int m, int n, int k_len)
 {
-    /* rows in passes of at most 6, as even as can be (8 rows: 4 + 4, not 6 + 2): a pass of r rows
-       keeps 2r FMA chains going, and fewer than about 8 leave the FMA units waiting on latency */
-    int passes = (m + 5) / 6, blocks = (n + 15) / 16;
 #pragma omp parallel for schedule(static)
-    for (int j = 0; j < blocks; j++) {
-        const float *wb = w + (size_t)j * k_len * 16;
-        for (int p = 0, m0 = 0; p < passes; p++) {
-            int rows = m / passes + (p < m % passes);
-            const float *xs = x + (size_t)m0 * k_len;
-            const float *next = m > 1 && p == 0 && j + 1 < blocks ? wb + (size_t)k_len * 16 : 0;
-            float *ys = y + (size_t)m0 * n;
-            switch (rows) { /* a constant row count per case: accumulators in registers */
-            case 1: rows_by_block(xs, wb, next, b, ys, 1, k_len, n, j * 16); break;
-            case 2: rows_by_block(xs, wb, next, b, ys, 2, k_len, n, j * 16); break;
-            case 3: rows_by_block(xs, wb, next, b, ys, 3, k_len, n, j * 16); break;
-            case 4: rows_by_block(xs, wb, next, b, ys, 4, k_len, n, j * 16); break;
-            case 5: rows_by_block(xs, wb, next, b, ys, 5, k_len, n, j * 16); break;
-            default: rows_by_block(xs, wb, next, b, ys, 6, k_len, n, j * 16); break;
-            }
-            m0 += rows;
-        }
-    }
+    for (int j = 0; j < (n + 15) / 16; j++)
+        block(x, w, 0, b, y, m, n, k_len, j);
+}
+
+void specviz_gemm_bf16(const float *x, const uint16_t *w, const float *b, float *y, int m, int n, int k_len)
+{
+#pragma omp parallel for schedule(static)
+    for (int j = 0; j < (n + 15) / 16; j++)
+        block(x, w, 1, b, y, m, n, k_len, j);
 }

@@ -14,9 +14,10 @@ kept.
 A path is one registry line in PATHS: how to pack a weight (once, or once per row count) and how
 to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for its rows.
 
-One path is lossy: "int8" keeps weights as 8-bit integers per output row and quantizes each input row
-to 8 bits at run time. It is chosen only for a drafter's products (`Linear(lossy=True)`, the EAGLE
-head's): a draft only proposes, the target's verify decides, and q is what the drafter drew from, so
+Two paths are lossy: "int8" keeps weights as 8-bit integers per output row and quantizes each input
+row to 8 bits at run time; "avx2-bf16" rounds float32 weights to bfloat16 (inputs and sums stay
+float32). They are chosen only for a drafter's products (`Linear(lossy=True)`, the EAGLE head's): a
+draft only proposes, the target's verify decides, and q is what the drafter drew from, so
 speculative decoding stays exact with any drafter; the target never takes a lossy path.
 """
 
@@ -117,8 +118,10 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
                "weights reordered once for oneDNN, for a batch of 16 rows (its blocked layout)"),
     KernelPath("mkl", (torch.float32,), True, lambda w, r: torch.ops.mkl._mkl_reorder_linear_weight(w, r), _mkl,
                "weights packed for MKL's sgemm, one copy per row count"),
-    KernelPath("avx2", (torch.float32,), False, native.pack, native.run,
+    KernelPath("avx2", (torch.float32,), False, lambda w, rows: native.pack(w, torch.float32), native.run,
                "specviz's own AVX2/FMA kernel: weights in 16-column blocks, up to 6 rows per pass (native.py)"),
+    KernelPath("avx2-bf16", (torch.float32,), False, lambda w, rows: native.pack(w, torch.bfloat16), native.run,
+               "the same kernel on weights rounded to bfloat16, half the bytes (drafters only)", lossy=True),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True),
 ]}

@@ -111,6 +111,13 @@ PRESETS: dict[str, Preset] = {
                 #   --policies '' --batch 0 --max-new-tokens 64 --step-caches static --repeats 2 (2026-11-25)
                 ("lookup+eagle", 3, 2.11, 2, 4), ("lookup+eagle", 2, 2.03, 4, 6), ("lookup+eagle", 3, 2.28, 4, 8),
                 ("lookup+eagle", 4, 2.42, 4, 8), ("lookup+eagle", 5, 2.59, 4, 12), ("lookup+eagle", 5, 2.60, 4, 16),
+                # deeper trees on few nodes (a verify of 6 tokens is one pass of the avx2 kernel's 6 rows), the same
+                # column of: bench --dtype float32 --drafters lookup+eagle --eagle-gammas 2 --trees
+                #   3x3:5,4x2:5,4x3:5,5x2:5,4x2:6,4x3:6 --temperatures 0 --policies '' --batch 0 --max-new-tokens 64
+                #   --repeats 1 --no-hf --step-caches '' (2026-11-26; 5x2:5 and 4x2:6 left out: no more tokens
+                #   per round than 4x2:5 and 4x3:6 for a costlier round)
+                ("lookup+eagle", 3, 2.20, 3, 5), ("lookup+eagle", 4, 2.31, 2, 5), ("lookup+eagle", 4, 2.32, 3, 5),
+                ("lookup+eagle", 4, 2.39, 3, 6),
             ),
             # temperature 1, three seeds per prompt, the "mean tokens/round" column of: bench --dtype float32
             #   --drafters lookup+eagle --eagle-gammas 2,3 --trees 3x2:4,3x2:6,3x4:8 --temperatures 1 --seeds 3
@@ -119,6 +126,11 @@ PRESETS: dict[str, Preset] = {
             sampled_tokens_per_round=(
                 ("lookup+eagle", 1, 1.40), ("lookup+eagle", 2, 1.61), ("lookup+eagle", 3, 1.69),
                 ("lookup+eagle", 3, 1.75, 2, 4), ("lookup+eagle", 3, 1.88, 4, 8),
+                # and 3x2:5 from: bench --dtype float32 --drafters lookup+eagle --eagle-gammas 2 --trees
+                #   3x2:5,3x3:5,3x2:6 --temperatures 1 --seeds 3 --policies '' --batch 0 --max-new-tokens 64
+                #   --repeats 1 --no-hf --step-caches '' (2026-11-26; 3x3:5 1.74 and 3x2:6 1.82 add nothing a
+                #   narrower round lacks)
+                ("lookup+eagle", 3, 1.82, 2, 5),
             ),
         ),
         Preset("opt-350m", "facebook/opt-350m", "facebook/opt-125m", "OPT 350M <- 125M"),

@@ -1,5 +1,8 @@
 """specviz's own float32 matrix-product kernel for AVX2 CPUs (`gemm_avx2.c`), built on first use.
 
+Weights are packed as float32 (the path "avx2") or rounded to bfloat16 ("avx2-bf16", for drafters:
+half the bytes, each widened back to float32 in registers), inputs and sums are float32 either way.
+
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
 weight streamed once per call in 16-column blocks ran every product of the target, at every row
@@ -74,28 +77,31 @@ def library() -> ctypes.CDLL:
     if capability not in ("avx2", "avx512"):  # ATen's own check of AVX2 and FMA (ATEN_CPU_CAPABILITY caps it)
         raise RuntimeError(f"needs AVX2 and FMA (ATen runs {capability} kernels here)")
     lib = ctypes.CDLL(str(build()))
-    lib.specviz_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    lib.specviz_gemm.restype = None
+    for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16):
+        entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+        entry.restype = None
     return lib
 
 
-def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """weight [N, K] float32 -> [ceil(N / 16), K, 16], zero-padded columns."""
+def pack(weight: torch.Tensor, as_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 16), K, 16] in as_dtype (float32 or bfloat16), zero-padded columns."""
     library()  # unavailable here: raise now, so the path is skipped before any model uses it
     n, k = weight.shape
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.float32)
-    padded[:n] = weight.detach().float()
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=as_dtype)
+    padded[:n] = weight.detach()
     return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
 
 
 def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rows: int) -> torch.Tensor:
-    """x [..., K] @ weight.T + bias -> [..., N], through the packed blocks."""
+    """x [..., K] @ weight.T + bias -> [..., N] in float32, through the packed blocks (float32 or bfloat16
+    weights; the sums are float32 either way)."""
     n, k = weight.shape
     flat = x.reshape(-1, k).contiguous()
     if flat.dtype != torch.float32:
         raise TypeError(f"the avx2 kernel multiplies float32, got {flat.dtype}")
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    library().specviz_gemm(flat.data_ptr(), packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-                           y.data_ptr(), flat.shape[0], n, k)
+    entry = library().specviz_gemm_bf16 if packed.dtype == torch.bfloat16 else library().specviz_gemm
+    entry(flat.data_ptr(), packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
+          flat.shape[0], n, k)
     return y.reshape(*x.shape[:-1], n)
