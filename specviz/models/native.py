@@ -39,8 +39,10 @@ def _compiler() -> str:
     raise RuntimeError("no C compiler found (cc, gcc or clang)")
 
 
+@functools.cache
 def digest() -> str:
-    """What the built library and the timings of it depend on: the source and the flags."""
+    """What the built library and the timings of it depend on: the source and the flags (read once: every
+    kernel-table lookup keys on it, and a model's first use of each row count looks the table up)."""
     source = SOURCE.read_bytes() if SOURCE.is_file() else b""  # missing: build() says so, the path is skipped
     return hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
 
