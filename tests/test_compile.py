@@ -125,3 +125,73 @@ def test_the_vector_instruction_verdict_is_probed_once_then_read_from_the_cache(
     assert not leanllama._vector_isa_known_good()  # a probe that fails is not remembered
     monkeypatch.setattr(config.cpp, "vec_isa_ok", False)
     assert not leanllama._vector_isa_known_good()  # the user's choice wins
+
+
+class Replaying:
+    """A stand-in for a compiled forward run as CUDA graphs, on the CPU: the eager forward, its outputs
+    copied into the graph's buffers, and every buffer handed out before overwritten (NaN) on each
+    call, as the next replay would. Records each call's batch rows and the caches' addresses."""
+
+    def __init__(self, module):
+        self.module, self.buffers, self.calls = module, {}, []
+
+    def __call__(self, ids, positions, mask, slots, keys, values, *rest):
+        self.calls.append((ids.shape[0], keys[0].data_ptr()))
+        logits, h = self.module(ids, positions, mask, slots, keys, values, *rest)
+        for buffer in self.buffers.values():
+            buffer.fill_(float("nan"))
+        out = []
+        for name, x in (("logits", logits), ("h", h)):
+            buffer = self.buffers.setdefault((name, x.shape), torch.empty_like(x))
+            out.append(buffer.copy_(x))
+        return tuple(out)
+
+
+def replaying_pair(pattern_dirs, monkeypatch, graphs=True):
+    """A fresh pair whose compiled forwards are `Replaying`; graphs: the lean models know it (as on CUDA)."""
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: Replaying(module))
+    pair = fresh_pair(pattern_dirs)
+    for model in (pair.target, pair.draft):
+        LeanLlama.of(model).graphs = graphs
+    return pair
+
+
+def drafted(run):
+    return [(d.id, d.status, d.q, d.p) for e in run.events for d in e.drafted]
+
+
+def test_outputs_of_graph_replays_are_copied_before_the_next_replay(pattern_dirs, pattern_pair, monkeypatch):
+    """The draft model's drafter keeps each draft step's logits until the round's last step: as CUDA
+    graph outputs they would be overwritten by then. The q and p shown equal the eager run's."""
+    prompt, settings = PROMPTS[1], Settings(gamma=3, max_new_tokens=16, compile=True)
+    eager = generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=16), prompt_ids=prompt)
+    run = generate(replaying_pair(pattern_dirs, monkeypatch), "", settings, prompt_ids=prompt)
+    assert run.token_ids == eager.token_ids
+    assert [d[:2] for d in drafted(run)] == [d[:2] for d in drafted(eager)]
+    assert torch.tensor([d[2:] for d in drafted(run)]) == pytest.approx(torch.tensor([d[2:] for d in drafted(eager)]),
+                                                                        abs=1e-4)
+    # the oracle can fail: without the copies, the kept logits are overwritten
+    unaware = generate(replaying_pair(pattern_dirs, monkeypatch, graphs=False), "", settings, prompt_ids=prompt)
+    assert any(d[2] != d[2] for d in drafted(unaware)) or unaware.token_ids != eager.token_ids  # NaN or wrong
+
+
+def test_compiled_caches_keep_their_addresses_and_batch_shape_across_runs(pattern_dirs, pattern_pair, monkeypatch):
+    """A second run replays the first's graphs (its caches are the same tensors, marked as static inputs), and
+    a batch whose rows finish at different rounds runs every forward at its first row count."""
+    pair = replaying_pair(pattern_dirs, monkeypatch)
+    settings = Settings(gamma=3, max_new_tokens=16, compile=True)
+    target = LeanLlama.of(pair.target)
+    first = generate(pair, "", settings, prompt_ids=PROMPTS[0])
+    addresses = {address for _, address in target.compiled.calls}
+    target.compiled.calls.clear()
+    second = generate(pair, "", settings, prompt_ids=PROMPTS[0])
+    assert second.token_ids == first.token_ids and {a for _, a in target.compiled.calls} == addresses
+    assert len(addresses) == 1 and all(c._dynamo_static_input_type == "unguarded" for c in target.spare[0][0])
+
+    eager = [generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=16), prompt_ids=p) for p in PROMPTS]
+    target.compiled.calls.clear()
+    batch = generate_batch(pair, [""] * 3, settings, prompts_ids=PROMPTS)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in eager]
+    finished = sorted(len(r.events) for r in batch)
+    assert finished[0] < finished[-1]  # rows left the batch before others
+    assert {rows for rows, _ in target.compiled.calls} == {3}

@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from .cachedir import cache_root
 SUPPORTED = ("llama", "qwen3")
 WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to one of these (longer: eager)
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
+SPARE_SETS = 4  # compiled caches a model keeps for reuse once their runs end
 log = logging.getLogger("specviz")
 
 
@@ -260,6 +262,33 @@ class LeanLlama(nn.Module):
         self.compiled = None  # the compiled forward, once asked for
         self.compile_note = ""  # why compiling was given up, if it was
         self.compiled_shapes: set[tuple] = set()
+        self.graphs = self.head.weight.device.type == "cuda"  # compiled forwards replay as CUDA graphs
+        self.spare: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # compiled caches no one holds
+
+    def lend(self, batch: int, capacity: int, like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values for a compiled cache of `batch` rows and at least `capacity` slots: the
+        smallest spare set that fits (zeroed), else a new one, marked as a fixed-address graph input."""
+        fits = [i for i, (keys, _) in enumerate(self.spare) if keys[0].shape[0] == batch
+                and keys[0].shape[2] >= capacity and keys[0].dtype == like.dtype and keys[0].device == like.device]
+        if fits:
+            keys, values = self.spare.pop(min(fits, key=lambda i: self.spare[i][0][0].shape[2]))
+            for cache in keys + values:
+                cache.zero_()
+            return keys, values
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        keys = [like.new_zeros(shape) for _ in self.layers]
+        values = [like.new_zeros(shape) for _ in self.layers]
+        if self.graphs:  # the graphs write into these in place; a new address re-records them, not recompiles
+            for cache in keys + values:
+                torch._dynamo.mark_static_address(cache, guard=False)
+        return keys, values
+
+    def give_back(self, lease: list) -> None:
+        """A compiled cache's set, back among the spares (the newest SPARE_SETS are kept)."""
+        if lease[0] is not None:
+            self.spare.append(lease[0])
+            lease[0] = None
+            del self.spare[:-SPARE_SETS]
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -290,7 +319,7 @@ class LeanLlama(nn.Module):
             else:
                 _use_our_inductor_cache()
                 # kept out of the module tree, since it wraps this module
-                options = {"triton.cudagraphs": device.type == "cuda"}
+                options = {"triton.cudagraphs": self.graphs}
                 if device.type == "cpu" and _vector_isa_known_good():
                     options["cpp.vec_isa_ok"] = True
                 # dynamo keeps at most recompile_limit graphs per function, and the target and the
@@ -330,13 +359,35 @@ class LeanLlama(nn.Module):
 
 
 class LeanCache:
-    """Keys and values [B, kv_heads, capacity, head_dim] per layer, allocated on first use."""
+    """Keys and values [B, kv_heads, capacity, head_dim] per layer, allocated on first use.
+
+    Compiled, the caches are the graphs' inputs at fixed addresses (CUDA graphs replay at the
+    addresses they were recorded with, gpt-fast's caches set up once): a compiled cache borrows a
+    spare set of its model's (`LeanLlama.lend`; zeroed, as new) and hands it back when it is
+    dropped, so the next run replays the graphs this one recorded; and rows that leave the batch
+    stay in their places as holes (`places`), so a run keeps one batch shape."""
 
     def __init__(self, lean: LeanLlama, capacity: int, compile: bool = False):
         self.lean, self.compile = lean, compile
         self.capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP if compile else capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.places: list[int] | None = None  # compiled, once rows left: each live row's row in the caches
+        self.lease: list = [None]  # compiled: the set held, handed back when this cache is dropped
+        if compile:
+            weakref.finalize(self, lean.give_back, self.lease)
+
+    def _hold(self, batch: int, like: torch.Tensor) -> None:
+        """Caches for `batch` rows of self.capacity slots (compiled: the model's spare set, if one fits)."""
+        if self.compile:
+            old = self.lease[:]
+            self.lease[0] = self.keys, self.values = self.lean.lend(batch, self.capacity, like)
+            self.lean.give_back(old)
+            self.capacity = self.keys[0].shape[2]
+        else:
+            shape = (batch, self.lean.kv_heads, self.capacity, self.lean.head_dim)
+            self.keys = [like.new_zeros(shape) for _ in self.lean.layers]
+            self.values = [like.new_zeros(shape) for _ in self.lean.layers]
 
     def _reserve(self, batch: int, need: int, like: torch.Tensor) -> None:
         """Allocate on first use; batches with holes may outgrow a single run's capacity: double it."""
@@ -344,15 +395,11 @@ class LeanCache:
             return
         if self.keys:
             self.capacity = max(2 * self.capacity, need)
-        shape = (batch, self.lean.kv_heads, self.capacity, self.lean.head_dim)
+            batch = self.keys[0].shape[0]
         old_keys, old_values = self.keys, self.values
-        self.keys = [like.new_zeros(shape) for _ in self.lean.layers]
-        self.values = [like.new_zeros(shape) for _ in self.lean.layers]
+        self._hold(batch, like)
         for new, old in zip(self.keys + self.values, old_keys + old_values, strict=False):
             new[:, :, : old.shape[2]] = old
-        if self.compile and like.device.type == "cuda":  # CUDA graphs write into these in place
-            for cache in self.keys + self.values:
-                torch._dynamo.mark_static_address(cache)
 
     def _width(self, t: int) -> int:
         """Slots a forward of t tokens runs: a compiled forward pads t to the next compiled width."""
@@ -362,7 +409,7 @@ class LeanCache:
 
     @torch.inference_mode()
     def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
-        batch, t = ids.shape
+        t = ids.shape[1]
         width = self._width(t)
         if width > t:  # pad with holes: their slots are written, attended by nothing, and overwritten later
             pad = width - t
@@ -371,15 +418,19 @@ class LeanCache:
             positions = F.pad(positions, (0, pad)).clone(memory_format=torch.contiguous_format)
             real = F.pad(real, (0, pad))
             visible = None if visible is None else F.pad(visible, (0, pad, 0, pad))
-        self._reserve(batch, start + width, self.lean.embed.weight)
+        if self.places is not None:  # rows have left: the live ones run in their places, the others as holes
+            ids, positions, real = (self._spread(x) for x in (ids, positions, real))
+            visible = None if visible is None else self._spread(visible)
+        self._reserve(ids.shape[0], start + width, self.lean.embed.weight)
         slots = torch.arange(start, start + width, device=ids.device)
-        out = None
+        out, replayed = None, False
         if self.compile and self.lean.compiled is not None and width in WIDTHS:
             # attention spans the whole cache; hidden states always, so one graph per width serves
             # drafters that read them and those that do not
             args = (ids, positions, slot_mask(real, start, self.capacity, visible), slots, self.keys, self.values,
                     self.capacity, True, True)
             out = self.lean.run_compiled(args)  # None: compiling was given up, run eager
+            replayed = out is not None and self.lean.graphs
         if out is None:
             end = start + width
             out = self.lean(ids, positions, slot_mask(real, start, end, visible), slots, self.keys, self.values, end,
@@ -387,16 +438,41 @@ class LeanCache:
         logits, h = out
         if logits.shape[1] == width:  # every slot's logits: the real tokens' are the first t
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
-        return logits, h[:, :t] if hidden else None
+        h = h[:, :t] if hidden else None
+        if self.places is not None:
+            return logits[self.places], None if h is None else h[self.places]  # (copies)
+        if replayed:  # a CUDA graph's outputs live in its buffers, which the next replay overwrites
+            return logits.clone(), None if h is None else h.clone()
+        return logits, h
+
+    def _spread(self, x: torch.Tensor) -> torch.Tensor:
+        """[live rows, ...] -> [the caches' rows, ...]: zeros (holes) in the rows that left."""
+        full = x.new_zeros((self.keys[0].shape[0],) + x.shape[1:])
+        full[self.places] = x
+        return full
 
     def crop(self, width: int) -> None:
         pass  # the next forward writes from `width` on; the mask hides what lies beyond
 
     def move(self, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy a row's keys and values from slots src to slots dst (a tree's kept path to consecutive slots)."""
+        row = row if self.places is None else self.places[row]
         for cache in self.keys + self.values:
             cache[row, :, dst] = cache[row, :, src]
 
     def select(self, index: torch.Tensor) -> None:
-        self.keys = [k[index] for k in self.keys]
-        self.values = [v[index] for v in self.values]
+        """Keep these rows (in this order; a row may repeat). Compiled, rows that only leave stay put."""
+        if not self.compile or not self.keys:
+            self.keys, self.values = [k[index] for k in self.keys], [v[index] for v in self.values]
+            return
+        rows = index.tolist()
+        if self.places is not None:
+            rows = [self.places[r] for r in rows]
+        if len(set(rows)) == len(rows):
+            self.places = None if rows == list(range(self.keys[0].shape[0])) else rows
+            return
+        old_keys, old_values = self.keys, self.values  # rows repeat: a set for as many rows
+        self._hold(len(rows), self.lean.embed.weight)
+        for new, old in zip(self.keys + self.values, old_keys + old_values, strict=True):
+            new.copy_(old[rows])
+        self.places = None

@@ -190,9 +190,10 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
             gen_ids = tokens_t[row]
             n = next((i + 1 for i, t in enumerate(gen_ids) if t in eos.tolist()), len(gen_ids))
             prompt_feats = prefill[row, width - (len(prompt_ids) - 1) :].to(torch.bfloat16)  # positions 0..P-2
+            # copies in host memory: the batch's tensors are freed, and a data file made on a GPU loads anywhere
             by_job[job] = FeatureSample(prompt_ids + gen_ids[:n], len(prompt_ids),
-                                        torch.cat([prompt_feats, feats_t[row, :n]]).clone(),
-                                        ids_t[row, :n].clone(), probs_t[row, :n].clone())
+                                        torch.cat([prompt_feats, feats_t[row, :n]]).to("cpu", copy=True),
+                                        ids_t[row, :n].to("cpu", copy=True), probs_t[row, :n].to("cpu", copy=True))
             n_tok += n
         rate = n_tok / (time.perf_counter() - start_time)
         progress(f"data: {min(b + cfg.gen_batch, len(jobs))}/{len(jobs)} answers, {n_tok} target tokens "
@@ -408,7 +409,7 @@ def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str],
     known: dict[tuple[str, float], dict] = {}
     earlier_s = 0.0
     if path and path.is_file():
-        saved = torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True, map_location="cpu")  # older files may hold GPU tensors
         # older files hold prompts x temperatures
         jobs = saved.get("jobs") or [(p, t) for p in saved["prompts"] for t in saved["temperatures"]]
         known = {(p, float(t)): sample for (p, t), sample in zip(jobs, saved["samples"], strict=True)}

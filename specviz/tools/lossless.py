@@ -41,7 +41,7 @@ def exact_next_token(pair: ModelPair, prompt_ids: list[int], settings: Settings)
     state = KVState(pair.target, 1, "dynamic", pair.vocab_size, len(prompt_ids) + 1)
     logits = state.forward(torch.tensor([prompt_ids], device=pair.device),
                            torch.ones(1, len(prompt_ids), dtype=torch.bool, device=pair.device)).logits[0, -1]
-    return logits_to_probs(logits.double(), settings.sampling)
+    return logits_to_probs(logits.to("cpu", torch.float64), settings.sampling)  # float64 (mps has none): on the CPU
 
 
 def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: int,
@@ -172,8 +172,8 @@ def first_round_distributions(pair: ModelPair, prompt_ids: list[int], settings: 
     (proposal,) = drafter.propose([torch.tensor(prompt_ids, device=pair.device)], [1], params, [generator])
     last = torch.tensor([prompt_ids[-1:]], device=pair.device)  # the verify pass's first position
     logits = state.forward(last, torch.ones_like(last, dtype=torch.bool)).logits[0, -1]
-    p = logits_to_probs(logits.double(), settings.sampling)
-    return p, [proposal.q[i].double() for i, parent in enumerate(proposal.tree) if parent < 0]
+    p = logits_to_probs(logits.to("cpu", torch.float64), settings.sampling)  # float64 (mps has none): on the CPU
+    return p, [proposal.q[i].to("cpu", torch.float64) for i, parent in enumerate(proposal.tree) if parent < 0]
 
 
 def exact_check(pair: ModelPair, prompt: str, settings: Settings, chat_template: bool = True) -> ExactCheck:
