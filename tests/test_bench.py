@@ -27,6 +27,8 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
         # against the faster of two baselines, each repeat's ratio can only be smaller
         assert 0 < r["speedup_vs_best"] <= r["speedup"]
         assert r["identical_to_baseline"] is not None and r["cache"] == "static"
+        # each round's tokens reach the host (to be shown): at least one wait per round
+        assert r["syncs_per_round"] >= 1 and r["baseline_syncs_per_round"] >= 1
         if r["policy"] == "fixed":
             assert r["gamma"] == 3 and r["mean_gamma"] is None
             hf = {"model": r["hf_assisted_tps"], "lookup": r["hf_lookup_tps"]}.get(r["drafter"])

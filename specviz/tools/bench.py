@@ -157,6 +157,9 @@ class BenchRow:
     seed: int = 0  # sampled runs: one seed's text is one draw, so a bench may run several (a row each)
     tree: str = ""  # a tree's shape "γxbranch:nodes" (nodes 0: all drafted); "" for a chain
     depth_alpha: list[float] = field(default_factory=list)  # P(depth d kept | depth d - 1 kept), d = 1..
+    # host-device syncs per round (syncs.py), counted in one eager run of the setting's first prompt
+    syncs_per_round: float | None = None
+    baseline_syncs_per_round: float | None = None
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -265,6 +268,17 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     tree shape (γ, branch, nodes) in `trees`."""
     from ..core.generator import generate
     from ..models.loading import encode_prompt
+    from .syncs import SyncCounter
+
+    syncs: dict[tuple, float] = {}  # a setting's syncs per round, counted once (untimed: the counter is slow)
+
+    def syncs_per_round(prompt: str, prompt_ids: list[int], settings: Settings, mode: str = "speculative") -> float:
+        key = (mode, replace(settings, seed=0))
+        if key not in syncs:
+            with SyncCounter() as counter:
+                run = generate(pair, prompt, replace(settings, compile=False), mode=mode, prompt_ids=prompt_ids)
+            syncs[key] = counter.total / len(run.events)
+        return syncs[key]
 
     sweep = {"model": gammas, "lookup": lookup_gammas or gammas, **dict.fromkeys(HEAD_DRAFTERS, eagle_gammas or gammas)}
     first = next(iter(prompts.values()))[0]
@@ -302,12 +316,14 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                             hfs[i].append(hf)
                 for settings, spec_runs, hf in zip(settings_list, specs, hfs, strict=True):
                     rows.append(_spec_row(category, prompt, settings, spec_runs, bases, hf_plain, hf))
+                    rows[-1].syncs_per_round = syncs_per_round(prompt, prompt_ids, settings)
+                    rows[-1].baseline_syncs_per_round = syncs_per_round(prompt, prompt_ids, base_settings, "baseline")
                     label = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_policy
                     tree = f" tree {rows[-1].tree}" if rows[-1].tree else ""
                     progress(f"{category} T={temperature:g} seed {seed} {settings.drafter} γ={label}{tree}: "
                              f"α={_fmt(rows[-1].alpha)} tokens/round {rows[-1].tokens_per_round:.2f} "
                              f"speedup {rows[-1].speedup:.2f}x, vs the faster baseline "
-                             f"{_fmt(rows[-1].speedup_vs_best)}x")
+                             f"{_fmt(rows[-1].speedup_vs_best)}x, {rows[-1].syncs_per_round:.1f} syncs/round")
     return rows
 
 
@@ -409,8 +425,8 @@ def summary_by_setting(rows: list[BenchRow]) -> str:
     per round (the expectation a drafter's choice needs: costs.py). specviz / HF compares
     with HF assisted generation (draft model) or HF prompt lookup (lookup) at the same γ."""
     lines = ["| drafter | T | γ | median α | median tokens/round | mean tokens/round | median c | median speedup "
-             "| median vs faster baseline | median bound | median efficiency | median specviz / HF |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| median vs faster baseline | median bound | median efficiency | median specviz / HF | syncs/round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r.drafter, r.temperature, r.policy != "fixed", r.policy, r.tree, r.gamma) for r in rows})
     for drafter, t, _, policy, tree, g in keys:
         sel = [r for r in rows
@@ -422,13 +438,15 @@ def summary_by_setting(rows: list[BenchRow]) -> str:
                      f"{sum(r.tokens_per_round for r in sel) / len(sel):.2f} | {_fmt(_median(r.c for r in sel))} | "
                      f"{_fmt(_median(r.speedup for r in sel))}x | {_fmt(_median(r.speedup_vs_best for r in sel))}x | "
                      f"{_fmt(_median(r.bound for r in sel))} | {_fmt(_median(r.efficiency for r in sel))} | "
-                     f"{_fmt(_median(r.specviz_over_hf for r in sel))} |")
+                     f"{_fmt(_median(r.specviz_over_hf for r in sel))} | "
+                     f"{_fmt(_median(r.syncs_per_round for r in sel), '{:.1f}')} |")
     return "\n".join(lines) + "\n"
 
 
 def baseline_summary(rows: list[BenchRow]) -> str:
     """specviz's plain target against HF plain `generate`, per temperature (median over prompts)."""
-    lines = ["| T | median baseline tok/s | median HF plain tok/s | median baseline / HF plain |", "|---|---|---|---|"]
+    lines = ["| T | median baseline tok/s | median HF plain tok/s | median baseline / HF plain | syncs/round |",
+             "|---|---|---|---|---|"]
     for t in sorted({r.temperature for r in rows}):
         firsts = {}
         for r in rows:  # every row of a prompt and seed shares its baseline: take one of each
@@ -438,7 +456,8 @@ def baseline_summary(rows: list[BenchRow]) -> str:
             sel = list(firsts.values())
             lines.append(f"| {t:g} | {_median(r.baseline_tps for r in sel):.1f} | "
                          f"{_median(r.hf_plain_tps for r in sel):.1f} | "
-                         f"{_median(r.baseline_tps / r.hf_plain_tps for r in sel):.2f}x |")
+                         f"{_median(r.baseline_tps / r.hf_plain_tps for r in sel):.2f}x | "
+                         f"{_fmt(_median(r.baseline_syncs_per_round for r in sel), '{:.1f}')} |")
     return "\n".join(lines) + "\n"
 
 
