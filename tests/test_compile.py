@@ -111,20 +111,24 @@ def test_the_vector_instruction_verdict_is_probed_once_then_read_from_the_cache(
 
     probes = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probes.append(1) or "avx512")
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert leanllama._vector_isa_known_good() and leanllama._vector_isa_known_good()
-    assert len(probes) == 1 and len(list((tmp_path / "specviz-vec-isa-ok").iterdir())) == 1
-    compiler = tmp_path / "c++"
-    compiler.write_text("")
-    compiler.chmod(0o755)
-    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(compiler))
-    assert leanllama._vector_isa_known_good() and len(probes) == 2
-    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa)
-    os.utime(compiler, (1, 1))  # the compiler changed
-    assert not leanllama._vector_isa_known_good()  # a probe that fails is not remembered
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)
-    assert not leanllama._vector_isa_known_good()  # the user's choice wins
+    user_choice = config.cpp.vec_isa_ok  # set and restored by hand: monkeypatch's undo deletes the key
+    config.cpp.vec_isa_ok = None
+    try:
+        assert leanllama._vector_isa_known_good() and leanllama._vector_isa_known_good()
+        assert len(probes) == 1 and len(list((tmp_path / "specviz-vec-isa-ok").iterdir())) == 1
+        compiler = tmp_path / "c++"
+        compiler.write_text("")
+        compiler.chmod(0o755)
+        monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: str(compiler))
+        assert leanllama._vector_isa_known_good() and len(probes) == 2
+        monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa)
+        os.utime(compiler, (1, 1))  # the compiler changed
+        assert not leanllama._vector_isa_known_good()  # a probe that fails is not remembered
+        config.cpp.vec_isa_ok = False
+        assert not leanllama._vector_isa_known_good()  # the user's choice wins
+    finally:
+        config.cpp.vec_isa_ok = user_choice
 
 
 class Replaying:

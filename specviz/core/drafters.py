@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..models.eagle import EagleHead, HeadCache
-from .kvcache import KVState, left_padded
+from .kvcache import KVState, on_device
 from .sampling import SamplingParams, at_least_float32, chain_parents, draw_children, logits_to_probs, sample
 
 
@@ -113,11 +114,13 @@ class DraftModelDrafter:
         self.model, self.vocab_size, self.pad_id = model, vocab_size, pad_id
         self.cache_kind, self.capacity, self.compile = cache, capacity, compile
         self.state: KVState | None = None
+        self.lengths: list[int] = []  # per row: real tokens in the state (as trim last read them)
         self._draft_slots: list[list[int]] = []  # per row: the slots of d_1..d_{γ-1} this round
 
     def start(self, prompts: list[list[int]], hidden=None) -> None:
         self.state = KVState(self.model, len(prompts), self.cache_kind, self.vocab_size, self.capacity, self.compile)
         self.state.prefill(prompts, self.pad_id)
+        self.lengths = [len(p) - 1 for p in prompts]
 
     def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
@@ -127,10 +130,13 @@ class DraftModelDrafter:
         if steps == 0:  # every row is at its budget's last token
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return [Proposal(empty, torch.zeros(0, self.vocab_size, device=device)) for _ in seqs]
-        lengths = state.lengths.tolist()
-        tails = [seq[n:].tolist() for seq, n in zip(seqs, lengths, strict=True)]  # 1 or 2 tokens each
-        ids, real = left_padded(tails, self.pad_id, device)
-        real &= torch.tensor([g > 0 for g in gammas], device=device)[:, None]
+        # each row's uncached tail (1 or 2 tokens), right-aligned, built on the device; a row not drafting: holes
+        width = max(len(seq) - n for seq, n in zip(seqs, self.lengths, strict=True))
+        ids = torch.stack([F.pad(seq[n:], (width - len(seq) + n, 0), value=self.pad_id)
+                           for seq, n in zip(seqs, self.lengths, strict=True)])
+        real = torch.stack([F.pad(torch.full((len(seq) - n,), g > 0, device=device), (width - len(seq) + n, 0))
+                            for seq, n, g in zip(seqs, self.lengths, gammas, strict=True)])
+        drafting = on_device(gammas, device)  # [B] each row's γ
         tokens = torch.zeros(len(seqs), steps, dtype=torch.long, device=device)  # [B, γ_max]
         qs, logit_rows = [], []
         for step in range(steps):
@@ -148,7 +154,7 @@ class DraftModelDrafter:
                 for row in range(len(seqs)):
                     self._draft_slots[row].append(state.width)
                 ids = tokens[:, step : step + 1]
-                real = torch.tensor([[step + 1 < g] for g in gammas], device=device)
+                real = (step + 1 < drafting)[:, None]
         q_all, logits_all = torch.stack(qs, 1), torch.stack(logit_rows, 1)  # [B, γ_max, V]
         return [Proposal(tokens[row, :g], q_all[row, :g], logits_all[row, :g]) for row, g in enumerate(gammas)]
 
@@ -157,13 +163,14 @@ class DraftModelDrafter:
             slots = self._draft_slots[row][n:]  # d_{n+1}.. were rejected or never tested
             if slots:
                 self.state.make_holes(row, slots[0], slots[-1] + 1)
-        self.state.trim()
+        self.lengths = self.state.trim()
 
     def select(self, rows: list[int]) -> None:
         self.state.select(rows)
+        self.lengths = [self.lengths[r] for r in rows]
 
     def cache_lens(self) -> list[int]:
-        return self.state.lengths.tolist()
+        return list(self.lengths)
 
 
 class EagleDrafter:
@@ -234,7 +241,8 @@ class EagleDrafter:
         if sampled and self.nodes:  # k nodes a level, the first `nodes` kept: no level past them
             depth = min(depth, -(-self.nodes // k))
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
-        rows, lengths = len(seqs), torch.tensor(cache.lengths, device=device)
+        rows, lengths = len(seqs), on_device(cache.lengths, device)
+        drafting = on_device(gammas, device)  # [B] each row's γ
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
         seen = (cache.slot_index < lengths[:, None])[:, None]
         # per level: [B, n] ids (on the head's vocabulary), parents, log scores; [B, n, N] logits, q
@@ -271,8 +279,8 @@ class EagleDrafter:
             parent_pos = beam // picks.shape[-1]  # which fed node each beam node hangs from, [B, f']
             g = h.gather(1, parent_pos[:, :, None].expand(-1, -1, h.shape[-1]))
             slots = lengths[:, None] + (level - 1) * k + torch.arange(beam.shape[1], device=device)  # [B, f']
-            slots = torch.where(torch.tensor([level < gm for gm in gammas], device=device)[:, None], slots,
-                                cache.scratch)  # a node is fed only where the row drafts a level below it
+            # a node is fed only where the row drafts a level below it
+            slots = torch.where((level < drafting)[:, None], slots, cache.scratch)
             positions = torch.where(slots == cache.scratch, 0, lengths[:, None] + level - 1)
             own = torch.zeros(rows, beam.shape[1], cache.scratch + 1, dtype=torch.bool, device=device)
             own.scatter_(2, slots[:, :, None], True)
@@ -288,21 +296,26 @@ class EagleDrafter:
         with full-vocabulary q (what each node was drawn from; one-hot where node_q is None, the nodes
         chosen) and logits (-inf outside the head's vocabulary)."""
         draft_ids, V = self.head.draft_ids, self.vocab_size
-        depth = torch.cat([torch.full_like(t, level + 1) for level, t in enumerate(tokens)], 1)  # [B, M]
+        depth = [level + 1 for level, t in enumerate(tokens) for _ in range(t.shape[1])]  # [M]
         tokens, parents, scores = (torch.cat(x, 1) for x in (tokens, parents, scores))
         node_logits = torch.cat(node_logits, 1)  # [B, M, N]
         node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
+        # one read for all rows: each node's parent, log score (to rank) and probability (shown), [B][3][M]
+        host = torch.stack([parents.double(), scores.double(), scores.exp().double()], 1).tolist()
         out = []
         for row, gamma in enumerate(gammas):
-            allowed = depth[row] <= gamma
-            budget = min(self.nodes or tokens.shape[1], int(allowed.sum()))
-            if node_q is None:  # chosen nodes: the likeliest (ancestors first: a child never outscores its parent)
-                ranked = torch.sort(torch.where(allowed, scores[row], -math.inf), descending=True, stable=True).indices
-                keep = ranked[:budget].sort().values
+            node_parents, node_scores, node_probs = host[row]
+            allowed = [j for j, d in enumerate(depth) if d <= gamma]
+            budget = min(self.nodes or len(depth), len(allowed))
+            if node_q is None:  # chosen nodes: the likeliest (ancestors first: a child never outscores its parent;
+                # a stable sort, so ties go in level order)
+                keep = sorted(sorted(allowed, key=lambda j: -node_scores[j])[:budget])
             else:  # drawn nodes: the first in level and draw order, never chosen by their own value (see graft)
-                keep = allowed.nonzero()[:budget, 0]
-            renumber = {old: new for new, old in enumerate(keep.tolist())}
-            row_parents = [renumber[p] if p >= 0 else -1 for p in parents[row, keep].tolist()]
+                keep = allowed[:budget]
+            renumber = {old: new for new, old in enumerate(keep)}
+            row_parents = [renumber[int(node_parents[j])] if node_parents[j] >= 0 else -1 for j in keep]
+            keep_scores = [node_probs[j] for j in keep]
+            keep = on_device(keep, tokens.device, torch.long)
             ids = draft_ids[tokens[row, keep]]
             logits_full = node_logits.new_full((budget, V), -math.inf)
             logits_full[:, draft_ids] = node_logits[row, keep]
@@ -313,7 +326,7 @@ class EagleDrafter:
                 q_full[:, draft_ids] = node_q[row, keep]
             tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
             out.append(Proposal(ids, q_full, logits_full, parents=row_parents if tree else None,
-                                scores=scores[row, keep].exp().tolist() if tree else None))
+                                scores=keep_scores if tree else None))
         return out
 
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
@@ -429,7 +442,7 @@ def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False)
         keep.remove(min(leaves, key=lambda i: (scores[i], -i)))
     device, V = tree.tokens.device, chain.q.shape[1]
     renumber = {old: new for new, old in enumerate(keep)}
-    ids = torch.tensor([tokens[i] for i in keep], device=device, dtype=torch.long)
+    ids = on_device([tokens[i] for i in keep], device, torch.long)
     q = torch.zeros(len(keep), V, device=device, dtype=tree.q.dtype)
     logits = torch.full((len(keep), V), -math.inf, device=device, dtype=tree.q.dtype)
     for new, old in enumerate(keep):

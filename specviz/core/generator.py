@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from ..models.loading import ModelPair, encode_prompt
@@ -45,7 +46,7 @@ from .events import (
     RunMeta,
     TopToken,
 )
-from .kvcache import CACHE_KINDS, KVState, Tree
+from .kvcache import CACHE_KINDS, KVState, Tree, on_device
 from .sampling import SamplingParams, accept_or_resample, logits_to_probs
 from .schedules import POLICIES, make_policy
 
@@ -186,21 +187,29 @@ def _top_tokens(p_show, q_show, asks, k, text, residual=None) -> list[list[TopTo
     position (p row, q row or None, chosen id, with the residual row or not); None as q row: nothing
     was drafted there (a bonus or a baseline step). Two top-k calls and one gather per value for
     the whole round, not a handful of small tensor calls per position."""
-    p_top = torch.topk(p_show, k).indices.tolist()  # [g + 1][k]
-    q_top = []
-    if q_show is not None and q_show.shape[0]:
+    device, g = p_show.device, q_show.shape[0] if q_show is not None else 0
+    # two reads for the round: the top k ids under p and q (-1 where q has no mass), then the values
+    tops = [torch.topk(p_show, k).indices]  # [g + 1, k]
+    if g:
         q_values, q_ids = torch.topk(q_show, k)
-        q_top = [[i for i, v in zip(ids, vals, strict=True) if v > 0]
-                 for ids, vals in zip(q_ids.tolist(), q_values.tolist(), strict=True)]
+        tops.append(torch.where(q_values > 0, q_ids, -1))  # [g, k]
+    tops = torch.cat(tops).tolist()
+    p_top, q_top = tops[: len(tops) - g], [[i for i in row if i >= 0] for row in tops[len(tops) - g :]]
     ids = [sorted({*p_top[p_row], chosen, *(q_top[q_row] if q_row is not None else ())})
            for p_row, q_row, chosen, _ in asks]
     flat = [i for row in ids for i in row]
     p_rows = [p_row for (p_row, *_), row in zip(asks, ids, strict=True) for _ in row]
     q_rows = [q_row or 0 for (_, q_row, *_), row in zip(asks, ids, strict=True) for _ in row]
-    device = p_show.device
-    p = p_show[torch.tensor(p_rows, device=device), torch.tensor(flat, device=device)].tolist()
-    q = q_show[torch.tensor(q_rows, device=device), torch.tensor(flat, device=device)].tolist() if q_top else []
-    res = residual[torch.tensor(flat, device=device)].tolist() if residual is not None else []
+    p_rows, q_rows, flat_d = on_device([p_rows, q_rows, flat], device)  # sent without a wait
+    values = [p_show[p_rows, flat_d]]
+    if g:
+        values.append(q_show[q_rows, flat_d])
+    if residual is not None:
+        values.append(residual[flat_d])
+    values = torch.cat(values).tolist()
+    n = len(flat)
+    p, q = values[:n], values[n : 2 * n] if g else []
+    res = values[(2 if g else 1) * n :] if residual is not None else []
     out, at = [], 0
     for (_, q_row, _, with_residual), row in zip(asks, ids, strict=True):
         span = range(at, at + len(row))
@@ -288,28 +297,35 @@ def finish_reason(new: list[int], generated: int, max_new_tokens: int, eos_ids) 
     return "length" if generated >= max_new_tokens else None
 
 
-def _round_tokens(proposal, p_logits, p, verdict, path, stop_at, params, record_top, text):
-    """The round's drafted nodes and its correction or bonus token, as events. path: the kept nodes.
+def _round_tokens(proposal, tokens, p_logits, p, verdict, path, stop_at, params, record_top, text):
+    """The round's drafted nodes (tokens: their ids) and its correction or bonus token, as events.
+    path: the kept nodes.
 
     What the viewer sees is the rule's p and q, or the plain softmax when greedy.
     """
-    gamma, parents = proposal.tokens.shape[0], proposal.tree
+    gamma, parents = len(tokens), proposal.tree
     if params.greedy:
         p_show = p_logits.softmax(-1)
         q_show = proposal.logits.softmax(-1) if proposal.logits is not None else proposal.q
     else:
         p_show, q_show = p, proposal.q
-    nodes = torch.arange(gamma, device=p.device)
-    p_rows = torch.tensor([parent + 1 for parent in parents], dtype=torch.long, device=p.device)  # p at the parent
-    p_d = p_show[p_rows, proposal.tokens].tolist()
-    q_d = q_show[nodes, proposal.tokens].tolist()
     end = path[-1] if path else -1  # the node the walk ended at (-1: the root)
     # a rejection shows where it was tested below the kept path; under an accepted EOS the text has ended
     tested = {-1, *path} - ({end} if stop_at is not None else set())
     corrected = verdict.rejected[-1] if verdict.rejected and parents[verdict.rejected[-1]] == end else None
-    tokens = proposal.tokens.tolist()
     extra_id = verdict.next_token if stop_at is None else None
     children = [i for i, parent in enumerate(parents) if parent == end]
+    # one read for the round: p of each drafted token at every row [g + 1, g] (its parent's row picked here,
+    # so no index list goes to the device), q of each, and the extra token's p and q
+    drafts = proposal.tokens
+    values = [p_show[:, drafts].flatten(), q_show.gather(1, drafts[:, None]).flatten()]
+    if extra_id is not None:
+        values.append(p_show[end + 1, extra_id : extra_id + 1])
+        if children:
+            values.append(q_show[children[0], extra_id : extra_id + 1])
+    values = torch.cat(values).tolist()
+    p_d = [values[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]
+    q_d = values[(gamma + 1) * gamma : (gamma + 2) * gamma]
     tops = [[] for _ in range(gamma + 1)]
     if record_top:  # the extra's candidates too: where two runs part, the size of the tie
         residual = verdict.residual if corrected is not None and not params.greedy else None
@@ -326,9 +342,9 @@ def _round_tokens(proposal, p_logits, p, verdict, path, stop_at, params, record_
                                     score))
     extra = None
     if extra_id is not None:
-        q_extra = float(q_show[children[0], extra_id]) if children else None
+        p_extra, q_extra = values[(gamma + 2) * gamma], values[(gamma + 2) * gamma + 1] if children else None
         kind = CORRECTION if children else BONUS if gamma else TARGET  # nothing drafted: a plain step
-        extra = ExtraToken(extra_id, text(extra_id), kind, float(p_show[end + 1, extra_id]), q_extra, tops[gamma])
+        extra = ExtraToken(extra_id, text(extra_id), kind, p_extra, q_extra, tops[gamma])
     return drafted, extra
 
 
@@ -449,9 +465,11 @@ def decode(
         t1 = time.perf_counter()
         drafted = [p.tokens.shape[0] for p in proposals]  # g_i drafted nodes (a chain: g_i <= γ_i)
         width = max(drafted) + 1
-        verify_rows = [[int(seqs[r][-1])] + p.tokens.tolist() for r, p in zip(active, proposals, strict=True)]
-        verify_ids = torch.tensor([v + [pad] * (width - len(v)) for v in verify_rows], device=device)
-        verify_real = torch.tensor([[j < len(v) for j in range(width)] for v in verify_rows], device=device)
+        # [B, width]: each row's last token and drafts, padded; built on the device (no host list sent)
+        verify_ids = torch.stack([F.pad(torch.cat([seqs[r][-1:], p.tokens]), (0, width - 1 - g), value=pad)
+                                  for r, g, p in zip(active, drafted, proposals, strict=True)])
+        verify_real = torch.stack([F.pad(torch.ones(g + 1, dtype=torch.bool, device=device), (0, width - 1 - g))
+                                   for g in drafted])
         # a tree: each node attends to the prefix and its ancestors, at position length + depth
         tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
         base = target.width
@@ -465,22 +483,21 @@ def decode(
 
         rows, paths = [], []  # per active row: (drafted tokens, extra, n kept, new ids, finish reason); kept nodes
         for i, (r, g, prop, verdict) in enumerate(zip(active, drafted, proposals, verdicts, strict=True)):
-            drafted_ids = prop.tokens.tolist()
+            drafted_ids = verdict.tokens
             n, stop_at = kept_drafts(verdict.n_accepted, [drafted_ids[j] for j in verdict.path], pair.eos_token_ids)
             path = verdict.path[:n]
             # keep x_last and the kept nodes, moved to the slots after it (a chain's are there already)
             target.keep(i, base + 1, base + width, [base + 1 + j for j in path])
-            tokens, extra = _round_tokens(prop, verify.logits[i, : g + 1], p_all[i, : g + 1], verdict, path, stop_at,
-                                          params, settings.record_top, text)
+            tokens, extra = _round_tokens(prop, drafted_ids, verify.logits[i, : g + 1], p_all[i, : g + 1], verdict,
+                                          path, stop_at, params, settings.record_top, text)
             new = [drafted_ids[j] for j in path] + ([extra.id] if extra else [])
-            seqs[r] = torch.cat([seqs[r], torch.tensor(new, device=device, dtype=seqs[r].dtype)])
+            seqs[r] = torch.cat([seqs[r], on_device(new, device, seqs[r].dtype)])
             generated[r] += len(new)
             rows.append((tokens, extra, n, new, finish_reason(new, generated[r], settings.max_new_tokens,
                                                                 pair.eos_token_ids)))
             paths.append(path)
         drafter.verified([row[2] for row in rows], _along(verify.hidden, paths, tree is None))
-        target.trim()
-        target_lens, draft_lens = target.lengths.tolist(), drafter.cache_lens()
+        target_lens, draft_lens = target.trim(), drafter.cache_lens()
         elapsed = 1000 * (time.perf_counter() - start)
         share = 1000 / len(active)  # ms per row of this round's batch-wide seconds
 
@@ -517,8 +534,8 @@ def _along(hidden: torch.Tensor | None, paths: list[list[int]], chain: bool) -> 
     width = 1 + max(map(len, paths))
     if chain:
         return hidden[:, :width]
-    index = torch.tensor([[0] + [1 + j for j in path] + [0] * (width - 1 - len(path)) for path in paths],
-                         device=hidden.device)
+    index = on_device([[0] + [1 + j for j in path] + [0] * (width - 1 - len(path)) for path in paths],
+                      hidden.device)
     return hidden.gather(1, index[:, :, None].expand(-1, -1, hidden.shape[-1]))
 
 

@@ -228,7 +228,7 @@ class KVState:
     def prefill(self, prompts: list[list[int]], pad_id: int, hidden: bool = False) -> Forward:
         """Each prompt but its last token, right-aligned (a one-token prompt adds only a hole)."""
         ids, real = left_padded([p[:-1] or [pad_id] for p in prompts], pad_id, self.mask.device)
-        real &= torch.tensor([len(p) > 1 for p in prompts], device=self.mask.device)[:, None]
+        real &= on_device([len(p) > 1 for p in prompts], self.mask.device)[:, None]
         return self.forward(ids, real, hidden, last_only=True)
 
     def make_holes(self, row: int, start: int, stop: int) -> None:
@@ -241,23 +241,26 @@ class KVState:
         dst = list(range(start, start + len(slots)))
         if slots != dst:
             device = self.mask.device
-            self.backend.move(row, torch.tensor(slots, device=device), torch.tensor(dst, device=device))
+            self.backend.move(row, on_device(slots, device), on_device(dst, device))
         self.mask[row, start : start + len(slots)] = True
         self.mask[row, start + len(slots) : stop] = False
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch)."""
-        index = torch.tensor(rows, device=self.mask.device)
+        index = on_device(rows, self.mask.device)
         self.backend.select(index)
         self.mask = self.mask[index]
 
-    def trim(self) -> None:
-        """Roll back: drop trailing slots that are holes in every row."""
-        real_any = self.mask.any(0).nonzero()
-        width = int(real_any[-1]) + 1 if len(real_any) else 0
+    def trim(self) -> list[int]:
+        """Roll back: drop trailing slots that are holes in every row. Returns each row's length (read
+        to the host with the width, in one read)."""
+        columns = torch.arange(1, self.width + 1, device=self.mask.device)
+        last = (self.mask.any(0) * columns).max(0, keepdim=True).values if self.width else columns.new_zeros(1)
+        width, *lengths = torch.cat([last, self.lengths]).tolist()  # past the last real slot; the rows' lengths
         if width < self.width:
             self.backend.crop(width)
             self.mask = self.mask[:, :width]
+        return lengths
 
 
 @dataclass
@@ -279,12 +282,21 @@ class Tree:
                 seen[1 + i] |= seen[1 + parent] if parent >= 0 else {0}
             depths.append(depth)
             visible.append([[j in s for j in range(width)] for s in seen])
-        return Tree(torch.tensor(depths, device=device), torch.tensor(visible, dtype=torch.bool, device=device))
+        return Tree(on_device(depths, device), on_device(visible, device, torch.bool))
+
+
+def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on `device`, without making the host wait: on CUDA through pinned memory,
+    copied asynchronously (`torch.tensor(list, device=...)` waits for every queued kernel first)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, w] and real [B, w] with each row right-aligned."""
     width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
-    real = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows], device=device)
+    ids = on_device([[pad] * (width - len(r)) + r for r in rows], device)
+    real = on_device([[False] * (width - len(r)) + [True] * len(r) for r in rows], device)
     return ids, real

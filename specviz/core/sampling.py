@@ -137,6 +137,7 @@ class Verdict:
     u: list[float | None]  # the uniform draw each tested node got; None where none was drawn
     rejected: list[int] = field(default_factory=list)  # nodes tested and rejected, in the order tested
     residual: torch.Tensor | None = None  # [V] what the correction was drawn from (sampled rounds)
+    tokens: list[int] = field(default_factory=list)  # the drafted ids, read with the round's values
 
     @property
     def n_accepted(self) -> int:
@@ -185,10 +186,21 @@ def accept_or_resample(
     """
     gamma = draft.shape[0]
     parents = chain_parents(gamma) if parents is None else parents
-    rows = torch.tensor(parents, dtype=torch.long, device=draft.device) + 1
-    nodes = torch.arange(gamma, device=draft.device)
-    accept_probs = acceptance_probability(p[rows, draft], q[nodes, draft]).tolist()  # as if tested first
-    u_all = [None] * gamma if greedy else torch.rand(gamma, generator=generator, device=draft.device).tolist()
+    # One read to the host for the walk (on a GPU each read waits for the queue): the drafted ids and,
+    # greedy, each row's argmax; sampled, min(1, p(d)/q(d)) of every draft at every row [g + 1, g] (its
+    # parent's row is picked here, so no index list goes to the device) and the uniform draws.
+    if greedy:
+        values = torch.cat([draft, p.argmax(-1)]).tolist()
+        tokens, best = values[:gamma], values[gamma:]
+        accept_probs = [1.0 if tokens[i] == best[parent + 1] else 0.0 for i, parent in enumerate(parents)]
+        u_all = [None] * gamma
+    else:
+        ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
+        u = torch.rand(gamma, generator=generator, device=draft.device)
+        values = torch.cat([ratios.flatten().double(), u.double(), draft.double()]).tolist()  # ids < 2^53: exact
+        accept_probs = [values[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]  # as if tested first
+        u_all = values[(gamma + 1) * gamma : (gamma + 2) * gamma]
+        tokens = [int(t) for t in values[(gamma + 2) * gamma :]]
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents):
         children.setdefault(parent, []).append(node)
@@ -197,7 +209,7 @@ def accept_or_resample(
     while True:
         kept = None
         for child in children.get(node, []):
-            ratio = float(acceptance_probability(r[draft[child]], q[child, draft[child]])) if residual is not None \
+            ratio = float(acceptance_probability(r[tokens[child]], q[child, tokens[child]])) if residual is not None \
                 else accept_probs[child]  # the first child tests against p itself
             accept_probs[child], u_used[child] = ratio, u_all[child]
             if (ratio >= 1.0) if greedy else (u_all[child] < ratio):
@@ -211,7 +223,7 @@ def accept_or_resample(
         path.append(kept)
         node, r, residual = kept, p[kept + 1], None
     if greedy:
-        next_token = int(r.argmax())
+        next_token = best[node + 1]  # the argmax of the row the walk ended at
     else:
         next_token = int(sample(r, generator))
-    return Verdict(path, next_token, accept_probs, u_used, rejected, residual)
+    return Verdict(path, next_token, accept_probs, u_used, rejected, residual, tokens)
