@@ -120,11 +120,8 @@ def draw_children(q: torch.Tensor, k: int, generator: torch.Generator | None) ->
     for j in range(1, k):  # rows j.. without child j-1
         rows[..., j:, :].scatter_(-1, ids[..., None, j - 1 : j].expand(*ids.shape[:-1], k - j, 1), 0.0)
     mass = rows.sum(-1, keepdim=True)
-    rows = rows / mass.clamp_min(1e-30)
-    empty = mass[..., 0] <= 0  # the support ran out: chosen
-    if empty.any():
-        rows[empty] = torch.zeros_like(rows[empty]).scatter_(-1, ids[empty][..., None], 1.0)
-    return ids, rows
+    chosen = torch.zeros_like(rows).scatter_(-1, ids[..., None], 1.0)  # one-hot: where the support ran out
+    return ids, torch.where(mass > 0, rows / mass.clamp_min(1e-30), chosen)  # (no read back to test for it)
 
 
 @dataclass
