@@ -199,3 +199,20 @@ def test_compiled_caches_keep_their_addresses_and_batch_shape_across_runs(patter
     finished = sorted(len(r.events) for r in batch)
     assert finished[0] < finished[-1]  # rows left the batch before others
     assert {rows for rows, _ in target.compiled.calls} == {3}
+
+
+def test_past_the_graph_budget_new_shapes_run_eager_and_say_so(pattern_dirs, pattern_pair, monkeypatch, caplog):
+    """Capacities are 256 times a power of two (runs of many lengths share a few shapes), and past GRAPHS shapes a
+    process compiles no more: a new shape runs eager with a warning, where dynamo would fall back without one."""
+    from specviz.models import leanllama
+
+    assert [leanllama.compiled_capacity(n) for n in (1, 256, 257, 600, 1025)] == [256, 256, 512, 1024, 2048]
+    pair = replaying_pair(pattern_dirs, monkeypatch)
+    monkeypatch.setattr(LeanLlama, "shapes_compiled", 0)
+    monkeypatch.setattr(leanllama, "GRAPHS", 2)
+    with caplog.at_level(logging.WARNING, logger="specviz"):
+        run = generate(pair, "", Settings(gamma=3, max_new_tokens=12, compile=True), prompt_ids=PROMPTS[0])
+    eager = generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=12), prompt_ids=PROMPTS[0])
+    assert run.token_ids == eager.token_ids
+    shapes = [len(LeanLlama.of(m).compiled_shapes) for m in (pair.target, pair.draft)]
+    assert sum(shapes) == LeanLlama.shapes_compiled == 2 and "2 shapes compiled in this process" in caplog.text

@@ -9,7 +9,8 @@ fastest for its shape and row count (kernels.py), weights packed for it once.
 
 Compiled (`compile=True`): torch.compile (inductor) of the same module at fixed shapes, so that a
 handful of graphs serve every γ: a forward of t tokens is padded with holes to the next width in
-WIDTHS, attention always spans the whole cache (its capacity rounded up to CAPACITY_STEP), and
+WIDTHS, attention always spans the whole cache (its capacity rounded up to CAPACITY_STEP times a
+power of two), and
 the slots to write are a tensor. On a CPU the graph calls the same chosen, pre-packed matmuls as one
 opaque operator each (`packed_linear`), so its weights stay inputs and the graph can be cached on
 disk under the specviz cache folder (TORCHINDUCTOR_CACHE_DIR): a second start loads it instead of
@@ -43,9 +44,17 @@ from .cachedir import cache_root
 
 SUPPORTED = ("llama", "qwen3")
 WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to one of these (longer: eager)
-CAPACITY_STEP = 256  # compiled forwards: cache capacity is a multiple of this
+CAPACITY_STEP = 256  # compiled forwards: cache capacity is this times a power of two (few shapes, few graphs)
+GRAPHS = 64  # compiled forwards: shapes compiled per process, all models together (dynamo's limit); past it, eager
 SPARE_SETS = 4  # compiled caches a model keeps for reuse once their runs end
 log = logging.getLogger("specviz")
+
+
+def compiled_capacity(slots: int) -> int:
+    """A compiled cache's capacity for `slots`: CAPACITY_STEP times a power of two, so that runs of many
+    lengths share a few shapes (each shape is a graph per width; dynamo keeps a bounded number)."""
+    steps = -(-slots // CAPACITY_STEP)
+    return CAPACITY_STEP << (steps - 1).bit_length()
 
 
 def slot_mask(real: torch.Tensor, start: int, kv_len: int, visible: torch.Tensor | None = None,
@@ -229,6 +238,8 @@ class LeanLayer(nn.Module):
 class LeanLlama(nn.Module):
     """The model's weights rearranged for the lean forward; one per model, shared by its caches."""
 
+    shapes_compiled = 0  # compiled forwards' shapes in this process, all models (they share dynamo's limit)
+
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
         cfg = model.config
@@ -322,9 +333,9 @@ class LeanLlama(nn.Module):
                 options = {"triton.cudagraphs": self.graphs}
                 if device.type == "cpu" and _vector_isa_known_good():
                     options["cpp.vec_isa_ok"] = True
-                # dynamo keeps at most recompile_limit graphs per function, and the target and the
-                # draft share this forward: each needs one graph per width, so make room
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(WIDTHS))
+                # dynamo keeps at most recompile_limit graphs per function, and every model shares this
+                # forward: a graph per width, batch size and capacity; run_compiled stops at GRAPHS
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
                 self.__dict__["compiled"] = torch.compile(self, dynamic=False, options=options)
                 for lin in self.linears():  # packed before tracing: graphs take the packed weights as inputs
                     for width in WIDTHS:
@@ -338,7 +349,12 @@ class LeanLlama(nn.Module):
         ids, keys = args[0], args[4]
         shape = (tuple(ids.shape), tuple(keys[0].shape))
         new = shape not in self.compiled_shapes
+        if new and LeanLlama.shapes_compiled >= GRAPHS:  # dynamo would fall back to eager without a word
+            log.warning("specviz: %d shapes compiled in this process, the most kept; %s runs a forward of %s "
+                        "eager", GRAPHS, self.name, shape)
+            return None
         if new:
+            LeanLlama.shapes_compiled += 1
             log.warning("specviz: preparing the compiled forward of %s for %d token(s) (compiling takes about "
                         "a minute on a small CPU; later starts load it from %s)", self.name, ids.shape[1],
                         os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
@@ -369,7 +385,7 @@ class LeanCache:
 
     def __init__(self, lean: LeanLlama, capacity: int, compile: bool = False):
         self.lean, self.compile = lean, compile
-        self.capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP if compile else capacity
+        self.capacity = compiled_capacity(capacity) if compile else capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.places: list[int] | None = None  # compiled, once rows left: each live row's row in the caches
@@ -394,7 +410,7 @@ class LeanCache:
         if self.keys and need <= self.capacity:
             return
         if self.keys:
-            self.capacity = max(2 * self.capacity, need)
+            self.capacity = compiled_capacity(need) if self.compile else max(2 * self.capacity, need)
             batch = self.keys[0].shape[0]
         old_keys, old_values = self.keys, self.values
         self._hold(batch, like)
