@@ -10,11 +10,11 @@ fastest for its shape and row count (kernels.py), weights packed for it once.
 Compiled (`compile=True`): torch.compile (inductor) of the same module at fixed shapes, so that a
 handful of graphs serve every γ: a forward of t tokens is padded with holes to the next width in
 WIDTHS, attention always spans the whole cache (its capacity rounded up to CAPACITY_STEP times a
-power of two), and
-the slots to write are a tensor. On a CPU the graph calls the same chosen, pre-packed matmuls as one
-opaque operator each (`packed_linear`), so its weights stay inputs and the graph can be cached on
-disk under the specviz cache folder (TORCHINDUCTOR_CACHE_DIR): a second start loads it instead of
-compiling again. On CUDA the graphs are replayed as CUDA graphs. If compiling fails (no C++
+power of two), and the slots to write are a tensor. On a CPU the graph calls the same chosen,
+pre-packed matmuls as one opaque operator each (`packed_linear`), so its weights stay inputs and the
+graph can be cached on disk under the specviz cache folder (TORCHINDUCTOR_CACHE_DIR): a second start
+loads it instead of compiling again. On CUDA the graphs are replayed as CUDA graphs, their caches at
+fixed addresses (LeanCache). If compiling fails (no C++
 compiler, an unsupported operator), the model falls back to the eager forward and says why.
 
 It reuses the model's own rotary embedding module (so RoPE scaling variants are the model's) and
@@ -389,6 +389,7 @@ class LeanCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.places: list[int] | None = None  # compiled, once rows left: each live row's row in the caches
+        self.place_index: torch.Tensor | None = None  # the same, on the device
         self.lease: list = [None]  # compiled: the set held, handed back when this cache is dropped
         if compile:
             weakref.finalize(self, lean.give_back, self.lease)
@@ -456,7 +457,7 @@ class LeanCache:
             logits = logits[:, t - 1 : t] if last_only else logits[:, :t]
         h = h[:, :t] if hidden else None
         if self.places is not None:
-            return logits[self.places], None if h is None else h[self.places]  # (copies)
+            return logits[self.place_index], None if h is None else h[self.place_index]  # (copies)
         if replayed:  # a CUDA graph's outputs live in its buffers, which the next replay overwrites
             return logits.clone(), None if h is None else h.clone()
         return logits, h
@@ -464,7 +465,7 @@ class LeanCache:
     def _spread(self, x: torch.Tensor) -> torch.Tensor:
         """[live rows, ...] -> [the caches' rows, ...]: zeros (holes) in the rows that left."""
         full = x.new_zeros((self.keys[0].shape[0],) + x.shape[1:])
-        full[self.places] = x
+        full[self.place_index] = x
         return full
 
     def crop(self, width: int) -> None:
@@ -486,9 +487,10 @@ class LeanCache:
             rows = [self.places[r] for r in rows]
         if len(set(rows)) == len(rows):
             self.places = None if rows == list(range(self.keys[0].shape[0])) else rows
+            self.place_index = None if self.places is None else torch.tensor(rows, device=index.device)
             return
         old_keys, old_values = self.keys, self.values  # rows repeat: a set for as many rows
         self._hold(len(rows), self.lean.embed.weight)
         for new, old in zip(self.keys + self.values, old_keys + old_values, strict=True):
             new.copy_(old[rows])
-        self.places = None
+        self.places = self.place_index = None
