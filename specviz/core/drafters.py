@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..models.eagle import EagleHead, HeadCache
-from .kvcache import KVState, on_device
+from .kvcache import KVState, on_device, stacked
 from .sampling import SamplingParams, at_least_float32, chain_parents, draw_children, logits_to_probs, sample
 
 
@@ -130,13 +129,10 @@ class DraftModelDrafter:
         if steps == 0:  # every row is at its budget's last token
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return [Proposal(empty, torch.zeros(0, self.vocab_size, device=device)) for _ in seqs]
-        # each row's uncached tail (1 or 2 tokens), right-aligned, built on the device; a row not drafting: holes
-        width = max(len(seq) - n for seq, n in zip(seqs, self.lengths, strict=True))
-        ids = torch.stack([F.pad(seq[n:], (width - len(seq) + n, 0), value=self.pad_id)
-                           for seq, n in zip(seqs, self.lengths, strict=True)])
-        real = torch.stack([F.pad(torch.full((len(seq) - n,), g > 0, device=device), (width - len(seq) + n, 0))
-                            for seq, n, g in zip(seqs, self.lengths, gammas, strict=True)])
+        # each row's uncached tail (1 or 2 tokens), right-aligned; a row not drafting: holes
+        ids, real = stacked([seq[n:] for seq, n in zip(seqs, self.lengths, strict=True)], self.pad_id, True)
         drafting = on_device(gammas, device)  # [B] each row's γ
+        real &= (drafting > 0)[:, None]
         tokens = torch.zeros(len(seqs), steps, dtype=torch.long, device=device)  # [B, γ_max]
         qs, logit_rows = [], []
         for step in range(steps):
@@ -241,8 +237,7 @@ class EagleDrafter:
         if sampled and self.nodes:  # k nodes a level, the first `nodes` kept: no level past them
             depth = min(depth, -(-self.nodes // k))
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
-        rows, lengths = len(seqs), on_device(cache.lengths, device)
-        drafting = on_device(gammas, device)  # [B] each row's γ
+        rows, (lengths, drafting) = len(seqs), on_device([cache.lengths, gammas], device)  # [B] each: entries, γ
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
         seen = (cache.slot_index < lengths[:, None])[:, None]
         # per level: [B, n] ids (on the head's vocabulary), parents, log scores; [B, n, N] logits, q

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 import transformers
 
 from ..models.loading import ModelPair, encode_prompt
@@ -46,7 +45,7 @@ from .events import (
     RunMeta,
     TopToken,
 )
-from .kvcache import CACHE_KINDS, KVState, Tree, on_device
+from .kvcache import CACHE_KINDS, KVState, Tree, on_device, stacked
 from .sampling import SamplingParams, accept_or_resample, logits_to_probs
 from .schedules import POLICIES, make_policy
 
@@ -465,11 +464,9 @@ def decode(
         t1 = time.perf_counter()
         drafted = [p.tokens.shape[0] for p in proposals]  # g_i drafted nodes (a chain: g_i <= γ_i)
         width = max(drafted) + 1
-        # [B, width]: each row's last token and drafts, padded; built on the device (no host list sent)
-        verify_ids = torch.stack([F.pad(torch.cat([seqs[r][-1:], p.tokens]), (0, width - 1 - g), value=pad)
-                                  for r, g, p in zip(active, drafted, proposals, strict=True)])
-        verify_real = torch.stack([F.pad(torch.ones(g + 1, dtype=torch.bool, device=device), (0, width - 1 - g))
-                                   for g in drafted])
+        # [B, width]: each row's last token and drafts, padded
+        verify_ids, verify_real = stacked([torch.cat([seqs[r][-1:], p.tokens]) for r, p in zip(active, proposals,
+                                                                                              strict=True)], pad)
         # a tree: each node attends to the prefix and its ancestors, at position length + depth
         tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
         base = target.width

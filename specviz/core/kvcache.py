@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from ..models.leanllama import LeanLlama, slot_mask
@@ -292,6 +293,17 @@ def on_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def stacked(rows: list[torch.Tensor], pad: int, right_aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, w] and real [B, w] from each row's ids already on the device (nothing sent from the host),
+    padded to the longest row on the right (or, right_aligned, on the left)."""
+    width = max(len(r) for r in rows)
+    sides = [(width - len(r), 0) if right_aligned else (0, width - len(r)) for r in rows]
+    ids = torch.stack([F.pad(r, side, value=pad) for r, side in zip(rows, sides, strict=True)])
+    real = torch.stack([F.pad(torch.ones(len(r), dtype=torch.bool, device=r.device), side)
+                        for r, side in zip(rows, sides, strict=True)])
+    return ids, real
 
 
 def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
