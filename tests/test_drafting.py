@@ -15,19 +15,40 @@ from specviz.core.sampling import SamplingParams
 from specviz.core.schedules import ExpectedSpeedupGamma, GrowShrinkGamma, make_policy
 
 
-def seq(*ids):
-    return torch.tensor(ids)
-
-
 def test_lookup_takes_the_longest_then_latest_match():
     # "1 2 3" occurs twice before the end; the latest with a full continuation wins
-    assert lookup_continuation(seq(5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3), 4, 3).tolist() == [7, 8, 4, 1]
+    assert lookup_continuation([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3], 4, 3) == [7, 8, 4, 1]
     # the 3-gram "4 1 2" matches nowhere but "1 2" does: fall back to n = 2 (the latest is "1 2 -> 3")
-    assert lookup_continuation(seq(1, 2, 3, 6, 4, 1, 2), 2, 3).tolist() == [3, 6]
+    assert lookup_continuation([1, 2, 3, 6, 4, 1, 2], 2, 3) == [3, 6]
     # in a loop, an earlier match offers the whole γ where the latest offers one token
-    assert lookup_continuation(seq(1, 2, 1, 2, 1, 2), 4, 2).tolist() == [1, 2, 1, 2]
-    assert lookup_continuation(seq(1, 2, 3), 4, 3).tolist() == []  # no match: nothing drafted
-    assert lookup_continuation(seq(7), 4, 3).tolist() == []
+    assert lookup_continuation([1, 2, 1, 2, 1, 2], 4, 2) == [1, 2, 1, 2]
+    assert lookup_continuation([1, 2, 3], 4, 3) == []  # no match: nothing drafted
+    assert lookup_continuation([7], 4, 3) == []
+
+
+def test_lookup_equals_a_search_of_every_window():
+    """The host search against the plain definition (every n-gram window that has a next token, as
+    tensors), on random texts over a small alphabet, so matches of every length are common."""
+    def by_windows(ids, gamma, max_ngram, min_ngram):
+        seq = torch.tensor(ids)
+        for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
+            starts = (seq[:-1].unfold(0, n, 1) == seq[-n:]).all(dim=1).nonzero()[:, 0] + n
+            if len(starts):
+                full = starts[starts + gamma <= len(ids)]
+                start = int(full[-1] if len(full) else starts[-1])
+                return ids[start : start + gamma]
+        return []
+
+    rng = random.Random(0)
+    found = 0
+    for _ in range(400):
+        ids = [rng.randrange(rng.choice([2, 4, 30])) for _ in range(rng.randrange(1, 40))]
+        gamma, max_ngram = rng.randrange(1, 6), rng.randrange(1, 5)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        expected = by_windows(ids, gamma, max_ngram, min_ngram)
+        assert lookup_continuation(ids, gamma, max_ngram, min_ngram) == expected, (ids, gamma, max_ngram, min_ngram)
+        found += bool(expected)
+    assert 100 < found < 400  # both outcomes were tried
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -162,7 +183,7 @@ def test_a_new_drafter_plugs_in_with_one_registry_line(pattern_pair, monkeypatch
         def propose(self, seqs, gammas, params, generators):
             out = []
             for s, g in zip(seqs, gammas, strict=True):
-                tokens = s[-1:].repeat(g)
+                tokens = torch.tensor(s[-1:]).repeat(g)
                 q = torch.zeros(g, self.vocab_size)
                 q[torch.arange(g), tokens] = 1.0
                 out.append(Proposal(tokens, q))

@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..models.eagle import EagleHead, HeadCache
-from .kvcache import KVState, on_device, stacked
+from .kvcache import KVState, left_padded, on_device
 from .sampling import SamplingParams, at_least_float32, chain_parents, draw_children, logits_to_probs, sample
 
 
@@ -51,9 +51,10 @@ class Drafter(Protocol):
     def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
         """Begin B sequences. hidden: [B, w, H] for the prefill (right-aligned), if asked for."""
 
-    def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
+    def propose(self, seqs: list[list[int]], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
-        """Draft up to γ_i tokens after each row's sequence seqs[i] [L_i]."""
+        """Draft up to γ_i tokens after each row's sequence seqs[i] (L_i ids, on the host: the decoder
+        knows every token it added there, so reading them never makes the host wait for the device)."""
 
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
         """Row i kept its first n_accepted[i] drafts (then the target added one token).
@@ -91,8 +92,12 @@ class NoDrafter(StatelessDrafter):
 
     name = "none (the target alone)"
 
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = device
+
     def propose(self, seqs, gammas, params, generators) -> list[Proposal]:
-        return [Proposal(seq[:0], torch.zeros(0, 0, device=seq.device)) for seq in seqs]
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        return [Proposal(empty, torch.zeros(0, 0, device=self.device)) for _ in seqs]
 
 
 class DraftModelDrafter:
@@ -121,7 +126,7 @@ class DraftModelDrafter:
         self.state.prefill(prompts, self.pad_id)
         self.lengths = [len(p) - 1 for p in prompts]
 
-    def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
+    def propose(self, seqs: list[list[int]], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
         state, device = self.state, self.model.device
         self._draft_slots = [[] for _ in seqs]
@@ -130,7 +135,7 @@ class DraftModelDrafter:
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return [Proposal(empty, torch.zeros(0, self.vocab_size, device=device)) for _ in seqs]
         # each row's uncached tail (1 or 2 tokens), right-aligned; a row not drafting: holes
-        ids, real = stacked([seq[n:] for seq, n in zip(seqs, self.lengths, strict=True)], self.pad_id, True)
+        ids, real = left_padded([seq[n:] for seq, n in zip(seqs, self.lengths, strict=True)], self.pad_id, device)
         drafting = on_device(gammas, device)  # [B] each row's γ
         real &= (drafting > 0)[:, None]
         tokens = torch.zeros(len(seqs), steps, dtype=torch.long, device=device)  # [B, γ_max]
@@ -192,34 +197,33 @@ class EagleDrafter:
         self.pending: list[torch.Tensor] = []  # per row: [n, F] features whose entries are not written yet
 
     def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
-        self.cache = HeadCache(self.head, len(prompts), self.capacity, like=hidden)
+        self.cache, self.device = HeadCache(self.head, len(prompts), self.capacity, like=hidden), hidden.device
         width = hidden.shape[1]
         self.pending = [hidden[row, width - (len(p) - 1) :] for row, p in enumerate(prompts)]  # f_0..f_{P-2}
 
-    def _catch_up(self, seqs: list[torch.Tensor], reserve: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _catch_up(self, seqs: list[list[int]], reserve: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Write the pending entries; (h [B, 1, D], logits [B, N]) of each row's last one, or None."""
         cache, widths = self.cache, [len(f) for f in self.pending]
         width = max(widths)
         if width == 0:
             return None
         cache.reserve(max(n + length for n, length in zip(widths, cache.lengths, strict=True)) + reserve)
-        rows, device = len(seqs), seqs[0].device
-        feats = self.pending[0].new_zeros(rows, width, self.pending[0].shape[-1])  # [B, w, F]
-        tokens = torch.full((rows, width), self.pad_id, dtype=torch.long, device=device)
-        positions = torch.zeros(rows, width, dtype=torch.long, device=device)
-        slots = torch.full((rows, width), cache.scratch, dtype=torch.long, device=device)
+        feats = self.pending[0].new_zeros(len(seqs), width, self.pending[0].shape[-1])  # [B, w, F]
+        host = []  # per row, right-aligned: [token ids, positions, slots]; a hole: pad at position 0, the scratch
         for row, (seq, n) in enumerate(zip(seqs, widths, strict=True)):
+            start, holes = cache.lengths[row], width - n  # entry i = (f_i, x_{i+1}) at position i
             if n:
-                start = cache.lengths[row]  # entry i = (f_i, x_{i+1}) at position i
-                feats[row, width - n :] = self.pending[row]
-                tokens[row, width - n :] = seq[start + 1 : start + 1 + n]
-                positions[row, width - n :] = slots[row, width - n :] = torch.arange(start, start + n, device=device)
-                cache.lengths[row] += n
+                feats[row, holes:] = self.pending[row]
+            places = list(range(start, start + n))
+            host.append([[self.pad_id] * holes + seq[start + 1 : start + 1 + n], [0] * holes + places,
+                         [cache.scratch] * holes + places])
+            cache.lengths[row] += n
+        tokens, positions, slots = on_device(host, self.device).unbind(1)  # [B, w] each
         h, logits = self.head.step(cache, tokens, self.head.features_in(feats, lean=True), slots, positions)
         self.pending = [f[:0] for f in self.pending]
         return h[:, -1:], logits[:, -1]
 
-    def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
+    def propose(self, seqs: list[list[int]], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
         """Expand each row's tree level by level (EAGLE-2): feed the head the `branch` most likely nodes
         of the last level (by cumulative draft probability), give each its `branch` likeliest children,
@@ -227,12 +231,13 @@ class EagleDrafter:
         the root's children drawn from q without replacement (`draw_children`; each keeps the q it was
         drawn from, so sampling.py's rule stays exact), then one child drawn below each node, and keeps its
         first `nodes` in level order (never by value: see graft); a chain (branch 1) is one of them."""
-        cache, device, k = self.cache, seqs[0].device, self.branch
+        cache, device, k = self.cache, self.device, self.branch
         caught_up = self._catch_up(seqs, max(gammas) * k)
         gammas = [g if cache.lengths[row] else 0 for row, g in enumerate(gammas)]  # no entry yet: no draft
         depth = max(gammas)
         if not depth:
-            return [Proposal(seq[:0], torch.zeros(0, self.vocab_size, device=device), parents=[]) for seq in seqs]
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            return [Proposal(empty, torch.zeros(0, self.vocab_size, device=device), parents=[]) for _ in seqs]
         sampled = not params.greedy  # children drawn from q; else the top k, chosen (q one-hot)
         if sampled and self.nodes:  # k nodes a level, the first `nodes` kept: no level past them
             depth = min(depth, -(-self.nodes // k))
@@ -344,25 +349,31 @@ class PromptLookupDrafter(StatelessDrafter):
     and take the first n that matches anywhere in the prompt or the text so far. The proposal
     is deterministic, so q is one-hot: the rule keeps d with probability p(d), and on a
     rejection samples from p with d removed, renormalised; exact, like the draft-model path.
-    No match: an empty proposal, and the round is a plain target step. No state, no model.
+    No match: an empty proposal, and the round is a plain target step. No state, no model; the
+    search runs on the host's copy of the text, so it never waits for the device.
     """
 
     name = "prompt lookup"
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, device: torch.device | str = "cpu"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.vocab_size = vocab_size
+        self.vocab_size, self.device = vocab_size, device
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
+    def propose(self, seqs: list[list[int]], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
-        out = []
-        for seq, gamma in zip(seqs, gammas, strict=True):
-            tokens = lookup_continuation(seq, gamma, self.max_ngram, self.min_ngram) if gamma else seq[:0]  # [g]
-            q = torch.zeros(tokens.shape[0], self.vocab_size, device=seq.device)  # [g, V], one-hot: q(d) = 1
-            q[torch.arange(tokens.shape[0], device=seq.device), tokens] = 1.0
+        copies = [lookup_continuation(seq, gamma, self.max_ngram, self.min_ngram) if gamma else []
+                  for seq, gamma in zip(seqs, gammas, strict=True)]
+        every = on_device(sum(copies, []), self.device, torch.long)  # all rows' drafts in one copy
+        out, first = [], 0
+        for copied in copies:
+            g = len(copied)
+            tokens = every[first : first + g]  # [g]
+            q = torch.zeros(g, self.vocab_size, device=self.device)  # [g, V], one-hot: q(d) = 1
+            q[torch.arange(g, device=self.device), tokens] = 1.0
             out.append(Proposal(tokens, q))
+            first += g
         return out
 
 
@@ -378,15 +389,16 @@ class LookupFirstDrafter:
     whole. Each row's proposal is exact on its own terms, so the acceptance rule stays exact.
     """
 
-    def __init__(self, fallback: Drafter, vocab_size: int, min_ngram: int = 3, max_ngram: int = 4):
+    def __init__(self, fallback: Drafter, vocab_size: int, device: torch.device | str = "cpu", min_ngram: int = 3,
+                 max_ngram: int = 4):
         self.fallback, self.requires_hidden = fallback, fallback.requires_hidden
-        self.lookup = PromptLookupDrafter(vocab_size, max_ngram, min_ngram)
+        self.lookup = PromptLookupDrafter(vocab_size, max_ngram, min_ngram, device)
         self.name = lookup_first_name(fallback.name)
 
     def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
         self.fallback.start(prompts, hidden)
 
-    def propose(self, seqs: list[torch.Tensor], gammas: list[int], params: SamplingParams,
+    def propose(self, seqs: list[list[int]], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
         copied = self.lookup.propose(seqs, gammas, params, generators)
         if getattr(self.fallback, "branch", 1) > 1:  # a tree: the copied continuation joins it as a branch
@@ -454,18 +466,30 @@ def lookup_first_name(fallback: str) -> str:
     return f"{PromptLookupDrafter.name} where the text repeats, else the {fallback}"
 
 
-def lookup_continuation(seq: torch.Tensor, gamma: int, max_ngram: int, min_ngram: int = 1) -> torch.Tensor:
-    """seq [L]: up to γ tokens that followed the latest earlier occurrence of seq's last n tokens."""
-    length = seq.shape[0]
+def lookup_continuation(seq: list[int], gamma: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """Up to γ tokens that followed the latest earlier occurrence of seq's last n tokens (n from
+    max_ngram down to min_ngram, the first n that matches)."""
+    length = len(seq)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = seq[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a next token
-        hits = (windows == seq[-n:]).all(dim=1).nonzero()
-        if len(hits):
+        tail = seq[-n:]
+        # where the continuation of each earlier occurrence starts (every n-gram with a next token)
+        starts = [i + n for i in _occurrences(seq, tail[0], length - n) if seq[i : i + n] == tail]
+        if starts:
             # The latest match is the most relevant one (an edit copies the passage it is at),
             # but one too close to the end has less than γ tokens to offer: in a loop an earlier
             # one carries the same text further.
-            starts = hits[:, 0] + n
-            full = starts[starts + gamma <= length]
-            start = int(full[-1] if len(full) else starts[-1])
+            full = [s for s in starts if s + gamma <= length]
+            start = full[-1] if full else starts[-1]
             return seq[start : start + gamma]
-    return seq[:0]
+    return []
+
+
+def _occurrences(seq: list[int], token: int, stop: int) -> list[int]:
+    """Every i < stop with seq[i] == token (list.index scans in C)."""
+    found, i = [], -1
+    try:
+        while True:
+            i = seq.index(token, i + 1, stop)
+            found.append(i)
+    except ValueError:
+        return found

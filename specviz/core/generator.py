@@ -373,13 +373,13 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind("draft model", lambda pair: pair.draft_name, lambda pair, s, capacity: DraftModelDrafter(
         pair.draft, pair.vocab_size, pad_id(pair), s.cache, capacity, s.compile)),
     "lookup": DrafterKind("prompt lookup (copies from the prompt, no model)", lambda pair: PromptLookupDrafter.name,
-                          lambda pair, s, capacity: PromptLookupDrafter(pair.vocab_size)),
+                          lambda pair, s, capacity: PromptLookupDrafter(pair.vocab_size, device=pair.device)),
     "eagle": DrafterKind("EAGLE head (reads the target's hidden states)", _head_name,
                          _head, needs_head=True, trees=True),
     "lookup+eagle": DrafterKind("prompt lookup where the text repeats, EAGLE head elsewhere",
                                 lambda pair: lookup_first_name(_head_name(pair)),
                                 lambda pair, s, capacity: LookupFirstDrafter(_head(pair, s, capacity),
-                                                                             pair.vocab_size),
+                                                                             pair.vocab_size, pair.device),
                                 needs_head=True, trees=True),
 }
 HEAD_DRAFTERS = tuple(name for name, kind in DRAFTER_KINDS.items() if kind.needs_head)
@@ -387,7 +387,7 @@ HEAD_DRAFTERS = tuple(name for name, kind in DRAFTER_KINDS.items() if kind.needs
 
 def make_drafter(pair: ModelPair, settings: Settings, mode: str, capacity: int) -> Drafter:
     if mode == "baseline":
-        return NoDrafter()
+        return NoDrafter(pair.device)
     check_drafter(pair, settings)
     return DRAFTER_KINDS[settings.drafter].make(pair, settings, capacity)
 
@@ -434,7 +434,7 @@ def decode(
     n_rows, capacity, pad = len(prompts_ids), _capacity(prompts_ids, settings), pad_id(pair)
     generators = [_seeded_generator(device, seed) for seed in seeds or [settings.seed] * n_rows]  # as if alone
     policies = [make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max) for _ in range(n_rows)]
-    seqs = [torch.tensor(p, device=device) for p in prompts_ids]
+    seqs = [list(p) for p in prompts_ids]  # each row's ids so far, on the host
     generated, indices = [0] * n_rows, [0] * n_rows
     active = list(range(n_rows))  # original row numbers, in state order
 
@@ -465,8 +465,9 @@ def decode(
         drafted = [p.tokens.shape[0] for p in proposals]  # g_i drafted nodes (a chain: g_i <= γ_i)
         width = max(drafted) + 1
         # [B, width]: each row's last token and drafts, padded
-        verify_ids, verify_real = stacked([torch.cat([seqs[r][-1:], p.tokens]) for r, p in zip(active, proposals,
-                                                                                              strict=True)], pad)
+        lasts = on_device([seqs[r][-1] for r in active], device)  # [B] each row's last token
+        verify_ids, verify_real = stacked([torch.cat([lasts[i : i + 1], p.tokens]) for i, p in enumerate(proposals)],
+                                          pad)
         # a tree: each node attends to the prefix and its ancestors, at position length + depth
         tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
         base = target.width
@@ -488,7 +489,7 @@ def decode(
             tokens, extra = _round_tokens(prop, drafted_ids, verify.logits[i, : g + 1], p_all[i, : g + 1], verdict,
                                           path, stop_at, params, settings.record_top, text)
             new = [drafted_ids[j] for j in path] + ([extra.id] if extra else [])
-            seqs[r] = torch.cat([seqs[r], on_device(new, device, seqs[r].dtype)])
+            seqs[r] += new
             generated[r] += len(new)
             rows.append((tokens, extra, n, new, finish_reason(new, generated[r], settings.max_new_tokens,
                                                                 pair.eos_token_ids)))

@@ -295,20 +295,19 @@ def on_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     return host.to(device)
 
 
-def stacked(rows: list[torch.Tensor], pad: int, right_aligned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def stacked(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, w] and real [B, w] from each row's ids already on the device (nothing sent from the host),
-    padded to the longest row on the right (or, right_aligned, on the left)."""
+    padded on the right to the longest row."""
     width = max(len(r) for r in rows)
-    sides = [(width - len(r), 0) if right_aligned else (0, width - len(r)) for r in rows]
-    ids = torch.stack([F.pad(r, side, value=pad) for r, side in zip(rows, sides, strict=True)])
-    real = torch.stack([F.pad(torch.ones(len(r), dtype=torch.bool, device=r.device), side)
-                        for r, side in zip(rows, sides, strict=True)])
+    ids = torch.stack([F.pad(r, (0, width - len(r)), value=pad) for r in rows])
+    real = torch.stack([F.pad(torch.ones(len(r), dtype=torch.bool, device=r.device), (0, width - len(r)))
+                        for r in rows])
     return ids, real
 
 
 def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, w] and real [B, w] with each row right-aligned."""
+    """ids [B, w] and real [B, w] from host lists, each row right-aligned; one copy to the device."""
     width = max(map(len, rows))
-    ids = on_device([[pad] * (width - len(r)) + r for r in rows], device)
-    real = on_device([[False] * (width - len(r)) + [True] * len(r) for r in rows], device)
-    return ids, real
+    ids, real = on_device([[[pad] * (width - len(r)) + r, [0] * (width - len(r)) + [1] * len(r)] for r in rows],
+                          device, torch.long).unbind(1)
+    return ids, real.bool()

@@ -169,7 +169,7 @@ def first_round_distributions(pair: ModelPair, prompt_ids: list[int], settings: 
     drafter.start([prompt_ids], prefill.hidden)
     params = SamplingParams(0.0) if settings.draft_greedy else settings.sampling
     generator = torch.Generator(device=pair.device).manual_seed(settings.seed)
-    (proposal,) = drafter.propose([torch.tensor(prompt_ids, device=pair.device)], [1], params, [generator])
+    (proposal,) = drafter.propose([list(prompt_ids)], [1], params, [generator])
     last = torch.tensor([prompt_ids[-1:]], device=pair.device)  # the verify pass's first position
     logits = state.forward(last, torch.ones_like(last, dtype=torch.bool)).logits[0, -1]
     p = logits_to_probs(logits.to("cpu", torch.float64), settings.sampling)  # float64 (mps has none): on the CPU
