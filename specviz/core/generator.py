@@ -29,6 +29,7 @@ from .drafters import (
     LookupFirstDrafter,
     NoDrafter,
     PromptLookupDrafter,
+    Proposal,
     lookup_first_name,
 )
 from .events import (
@@ -46,7 +47,7 @@ from .events import (
     TopToken,
 )
 from .kvcache import CACHE_KINDS, KVState, Tree, on_device, stacked
-from .sampling import SamplingParams, accept_or_resample, logits_to_probs
+from .sampling import SamplingParams, accept_or_resample, logits_to_probs, rule_reads
 from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
@@ -296,35 +297,62 @@ def finish_reason(new: list[int], generated: int, max_new_tokens: int, eos_ids) 
     return "length" if generated >= max_new_tokens else None
 
 
-def _round_tokens(proposal, tokens, p_logits, p, verdict, path, stop_at, params, record_top, text):
-    """The round's drafted nodes (tokens: their ids) and its correction or bonus token, as events.
-    path: the kept nodes.
-
-    What the viewer sees is the rule's p and q, or the plain softmax when greedy.
-    """
-    gamma, parents = len(tokens), proposal.tree
+def _shown(proposal: Proposal, p_logits: torch.Tensor, p: torch.Tensor,
+           params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p_show [g + 1, V], q_show [g, V]): what the viewer sees, the rule's p and q, or the plain softmax
+    when greedy."""
     if params.greedy:
-        p_show = p_logits.softmax(-1)
         q_show = proposal.logits.softmax(-1) if proposal.logits is not None else proposal.q
-    else:
-        p_show, q_show = p, proposal.q
+        return p_logits.softmax(-1), q_show
+    return p, proposal.q
+
+
+def _shown_reads(proposal: Proposal, p_show: torch.Tensor, q_show: torch.Tensor,
+                 greedy_p: torch.Tensor | None) -> torch.Tensor:
+    """The values shown for a round, as one float64 vector on the device: p of each drafted token at every
+    row [g + 1, g] (its parent's row is picked on the host, so no index list goes to the device) and q of
+    each [g]. Greedy (greedy_p: the rule's p), the extra token is some row's argmax, known before the walk
+    ends: also its p at every row [g + 1] and q at every node [g, g + 1]."""
+    drafts = proposal.tokens
+    values = [p_show[:, drafts].flatten(), q_show.gather(1, drafts[:, None]).flatten()]
+    if greedy_p is not None:
+        best = greedy_p.argmax(-1)  # [g + 1]
+        values.append(p_show.gather(1, best[:, None]).flatten())
+        if drafts.numel():
+            values.append(q_show[:, best].flatten())
+    return torch.cat(values).double()
+
+
+def _read_together(values: list[torch.Tensor]) -> list[list[float]]:
+    """Each 1-d device tensor as a host list, all in one read."""
+    flat, out, at = torch.cat(values).tolist(), [], 0
+    for v in values:
+        out.append(flat[at : at + v.numel()])
+        at += v.numel()
+    return out
+
+
+def _round_tokens(proposal, tokens, p_show, q_show, shown, verdict, path, stop_at, params, record_top, text):
+    """The round's drafted nodes (tokens: their ids) and its correction or bonus token, as events.
+    p_show, q_show: what the viewer sees (_shown); shown: _shown_reads of them, read; path: the kept nodes."""
+    gamma, parents = len(tokens), proposal.tree
     end = path[-1] if path else -1  # the node the walk ended at (-1: the root)
     # a rejection shows where it was tested below the kept path; under an accepted EOS the text has ended
     tested = {-1, *path} - ({end} if stop_at is not None else set())
     corrected = verdict.rejected[-1] if verdict.rejected and parents[verdict.rejected[-1]] == end else None
     extra_id = verdict.next_token if stop_at is None else None
     children = [i for i, parent in enumerate(parents) if parent == end]
-    # one read for the round: p of each drafted token at every row [g + 1, g] (its parent's row picked here,
-    # so no index list goes to the device), q of each, and the extra token's p and q
-    drafts = proposal.tokens
-    values = [p_show[:, drafts].flatten(), q_show.gather(1, drafts[:, None]).flatten()]
-    if extra_id is not None:
-        values.append(p_show[end + 1, extra_id : extra_id + 1])
-        if children:
-            values.append(q_show[children[0], extra_id : extra_id + 1])
-    values = torch.cat(values).tolist()
-    p_d = [values[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]
-    q_d = values[(gamma + 1) * gamma : (gamma + 2) * gamma]
+    p_d = [shown[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]
+    q_d = shown[(gamma + 1) * gamma : (gamma + 2) * gamma]
+    if extra_id is not None and params.greedy:  # the argmax of the row the walk ended at: read already
+        at = (gamma + 2) * gamma
+        p_extra = shown[at + end + 1]
+        q_extra = shown[at + gamma + 1 + children[0] * (gamma + 1) + end + 1] if children else None
+    elif extra_id is not None:  # drawn after the walk: one more read
+        values = [p_show[end + 1, extra_id : extra_id + 1]] + ([q_show[children[0], extra_id : extra_id + 1]]
+                                                                if children else [])
+        p_extra, *q_extra = torch.cat(values).tolist()
+        q_extra = q_extra[0] if q_extra else None
     tops = [[] for _ in range(gamma + 1)]
     if record_top:  # the extra's candidates too: where two runs part, the size of the tie
         residual = verdict.residual if corrected is not None and not params.greedy else None
@@ -341,7 +369,6 @@ def _round_tokens(proposal, tokens, p_logits, p, verdict, path, stop_at, params,
                                     score))
     extra = None
     if extra_id is not None:
-        p_extra, q_extra = values[(gamma + 2) * gamma], values[(gamma + 2) * gamma + 1] if children else None
         kind = CORRECTION if children else BONUS if gamma else TARGET  # nothing drafted: a plain step
         extra = ExtraToken(extra_id, text(extra_id), kind, p_extra, q_extra, tops[gamma])
     return drafted, extra
@@ -473,21 +500,30 @@ def decode(
         base = target.width
         verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
         p_all = logits_to_probs(verify.logits, params)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
-        verdicts = [accept_or_resample(p_all[i, : g + 1], prop.q, prop.tokens, generators[r], params.greedy,
-                                       prop.parents)
-                    for i, (r, g, prop) in enumerate(zip(active, drafted, proposals, strict=True))]
+        ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
+        shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
+                 for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
+        # one read for the whole round: every row's values for the rule, then the values the page shows
+        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy)
+                  for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
+        wanted += [_shown_reads(prop, *show, ps[i] if params.greedy else None)
+                   for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
+        host = _read_together(wanted)
+        verdicts = [accept_or_resample(ps[i], prop.q, prop.tokens, generators[r], params.greedy, prop.parents,
+                                       host[i])
+                    for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
         _sync(device)
         t2 = time.perf_counter()
 
         rows, paths = [], []  # per active row: (drafted tokens, extra, n kept, new ids, finish reason); kept nodes
-        for i, (r, g, prop, verdict) in enumerate(zip(active, drafted, proposals, verdicts, strict=True)):
+        for i, (r, prop, verdict) in enumerate(zip(active, proposals, verdicts, strict=True)):
             drafted_ids = verdict.tokens
             n, stop_at = kept_drafts(verdict.n_accepted, [drafted_ids[j] for j in verdict.path], pair.eos_token_ids)
             path = verdict.path[:n]
             # keep x_last and the kept nodes, moved to the slots after it (a chain's are there already)
             target.keep(i, base + 1, base + width, [base + 1 + j for j in path])
-            tokens, extra = _round_tokens(prop, drafted_ids, verify.logits[i, : g + 1], p_all[i, : g + 1], verdict,
-                                          path, stop_at, params, settings.record_top, text)
+            tokens, extra = _round_tokens(prop, drafted_ids, *shows[i], host[len(active) + i], verdict, path, stop_at,
+                                          params, settings.record_top, text)
             new = [drafted_ids[j] for j in path] + ([extra.id] if extra else [])
             seqs[r] += new
             generated[r] += len(new)

@@ -162,6 +162,20 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p / q.clamp_min(1e-30)).clamp_max(1.0)
 
 
+def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None,
+               greedy: bool = False) -> torch.Tensor:
+    """What the walk reads, as one float64 vector on the device (ids < 2^53: exact), so a caller can read
+    it together with other values at once (on a GPU each read waits for the queue). Greedy: the drafted
+    ids [g] and each p row's argmax [g + 1]. Sampled: min(1, p(d)/q(d)) of every draft at every row
+    [g + 1, g] (a node's parent row is picked on the host, so no index list goes to the device), the
+    uniform draws [g] and the drafted ids [g]; the draws come from `generator` here, before the walk's."""
+    if greedy:
+        return torch.cat([draft, p.argmax(-1)]).double()
+    ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
+    u = torch.rand(draft.shape[0], generator=generator, device=draft.device)
+    return torch.cat([ratios.flatten().double(), u.double(), draft.double()])
+
+
 def accept_or_resample(
     p: torch.Tensor,
     q: torch.Tensor,
@@ -169,6 +183,7 @@ def accept_or_resample(
     generator: torch.Generator | None,
     greedy: bool = False,
     parents: list[int] | None = None,
+    values: list[float] | None = None,
 ) -> Verdict:
     """One round of the rule over g drafted nodes. p: target [g+1, V] (row 0 after the last kept
     token, row 1+i after node i), q: [g, V] (row i: what node i was drawn from), draft: ids [g],
@@ -180,21 +195,18 @@ def accept_or_resample(
     When every child is rejected, the correction is drawn from the last r; at a node without
     children the bonus is drawn from its p. Greedy (one-hot p and q) needs no draws: a child is
     kept exactly when it is the target's argmax, and the last token is that argmax.
+
+    values: rule_reads(p, q, draft, generator, greedy) read to the host by the caller; else read here.
     """
     gamma = draft.shape[0]
     parents = chain_parents(gamma) if parents is None else parents
-    # One read to the host for the walk (on a GPU each read waits for the queue): the drafted ids and,
-    # greedy, each row's argmax; sampled, min(1, p(d)/q(d)) of every draft at every row [g + 1, g] (its
-    # parent's row is picked here, so no index list goes to the device) and the uniform draws.
+    if values is None:
+        values = rule_reads(p, q, draft, generator, greedy).tolist()
     if greedy:
-        values = torch.cat([draft, p.argmax(-1)]).tolist()
-        tokens, best = values[:gamma], values[gamma:]
+        tokens, best = [int(t) for t in values[:gamma]], [int(t) for t in values[gamma:]]
         accept_probs = [1.0 if tokens[i] == best[parent + 1] else 0.0 for i, parent in enumerate(parents)]
         u_all = [None] * gamma
     else:
-        ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
-        u = torch.rand(gamma, generator=generator, device=draft.device)
-        values = torch.cat([ratios.flatten().double(), u.double(), draft.double()]).tolist()  # ids < 2^53: exact
         accept_probs = [values[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]  # as if tested first
         u_all = values[(gamma + 1) * gamma : (gamma + 2) * gamma]
         tokens = [int(t) for t in values[(gamma + 2) * gamma :]]
