@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import ARCHS, PAD, words
 
-from specviz.core.generator import Settings, generate
+from specviz.core.generator import Settings, generate, generate_batch
 from specviz.core.kvcache import CACHE_KINDS, KVState
 
 
@@ -91,3 +91,34 @@ def test_a_drafter_may_ask_for_the_targets_hidden_states(pattern_pair, kind, mon
     monkeypatch.setattr(pair.target, "forward", spy)
     generate(pair, "", Settings(gamma=3, drafter="lookup", max_new_tokens=6, cache="dynamic"), prompt_ids=prompt)
     assert calls and not any(calls)
+
+
+def test_the_hosts_copy_of_the_mask_is_the_mask(random_pair, monkeypatch):
+    """Rolling back reads nothing from the device while the host keeps a copy of the mask. At every
+    roll-back of the target's and the draft model's states (holes of rejected drafts, a tree's moved
+    path, rows leaving a batch, a one-token prompt's hole) that copy equals the mask, and trim's
+    answer equals what the mask says."""
+    from test_trees import random_head_pair
+
+    trim, checked = KVState.trim, []
+
+    def checking(self):
+        assert self.flags == self.mask.tolist()
+        used = self.mask.any(0).nonzero()
+        width = int(used.max()) + 1 if len(used) else 0
+        lengths = trim(self)
+        assert (lengths, self.width) == (self.mask.sum(1).tolist(), width)
+        assert self.flags == self.mask.tolist()
+        checked.append(self.mask.shape[0])
+        return lengths
+
+    monkeypatch.setattr(KVState, "trim", checking)
+    pair = random_head_pair(random_pair)
+    prompts = [words(1), words(1, 2, 3, 1, 2), words(4, 5)]
+    for settings in (Settings(drafter="model", gamma=3, max_new_tokens=10),
+                     Settings(drafter="model", gamma=2, max_new_tokens=10, temperature=1.0, cache="dynamic"),
+                     Settings(drafter="eagle", gamma=3, branch=2, nodes=4, max_new_tokens=10),
+                     Settings(drafter="lookup+eagle", gamma=3, branch=2, nodes=4, max_new_tokens=10, temperature=1.0)):
+        runs = generate_batch(pair, [""] * 3, settings, prompts_ids=prompts)
+        assert len({len(r.events) for r in runs}) > 1 or settings.temperature  # rows left at different rounds
+    assert len(checked) > 40 and 1 in checked and 3 in checked

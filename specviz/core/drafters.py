@@ -136,8 +136,7 @@ class DraftModelDrafter:
             return [Proposal(empty, torch.zeros(0, self.vocab_size, device=device)) for _ in seqs]
         # each row's uncached tail (1 or 2 tokens), right-aligned; a row not drafting: holes
         ids, real = left_padded([seq[n:] for seq, n in zip(seqs, self.lengths, strict=True)], self.pad_id, device)
-        drafting = on_device(gammas, device)  # [B] each row's γ
-        real &= (drafting > 0)[:, None]
+        real = [r if g else [False] * len(r) for r, g in zip(real, gammas, strict=True)]
         tokens = torch.zeros(len(seqs), steps, dtype=torch.long, device=device)  # [B, γ_max]
         qs, logit_rows = [], []
         for step in range(steps):
@@ -155,7 +154,7 @@ class DraftModelDrafter:
                 for row in range(len(seqs)):
                     self._draft_slots[row].append(state.width)
                 ids = tokens[:, step : step + 1]
-                real = (step + 1 < drafting)[:, None]
+                real = [[step + 1 < g] for g in gammas]
         q_all, logits_all = torch.stack(qs, 1), torch.stack(logit_rows, 1)  # [B, γ_max, V]
         return [Proposal(tokens[row, :g], q_all[row, :g], logits_all[row, :g]) for row, g in enumerate(gammas)]
 

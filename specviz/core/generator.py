@@ -493,8 +493,8 @@ def decode(
         width = max(drafted) + 1
         # [B, width]: each row's last token and drafts, padded
         lasts = on_device([seqs[r][-1] for r in active], device)  # [B] each row's last token
-        verify_ids, verify_real = stacked([torch.cat([lasts[i : i + 1], p.tokens]) for i, p in enumerate(proposals)],
-                                          pad)
+        verify_ids = stacked([torch.cat([lasts[i : i + 1], p.tokens]) for i, p in enumerate(proposals)], pad)
+        verify_real = [[True] * (g + 1) + [False] * (width - g - 1) for g in drafted]
         # a tree: each node attends to the prefix and its ancestors, at position length + depth
         tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
         base = target.width

@@ -193,13 +193,18 @@ def _warn_once(message: str) -> None:
 
 
 class KVState:
-    """One model's state for B rows: mask [B, W] (1 where a slot holds a real token) and a backend."""
+    """One model's state for B rows: mask [B, W] (1 where a slot holds a real token) and a backend.
+
+    flags: the mask's copy on the host, kept while every slot appended came as host lists, so rolling
+    back reads nothing from the device (on a GPU a read waits for the queue); None once a forward was
+    given a device tensor (trim then reads the mask)."""
 
     def __init__(self, model: PreTrainedModel, batch: int, kind: str, vocab_size: int, capacity: int,
                  compile: bool = False):
         self.kind, self.vocab_size = kind, vocab_size
         self.backend = make_backend(model, kind, capacity, compile)
         self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)
+        self.flags: list[list[bool]] | None = [[] for _ in range(batch)]
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -210,11 +215,19 @@ class KVState:
     def width(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, ids: torch.Tensor, real: torch.Tensor, hidden: bool = False, last_only: bool = False,
-                tree: Tree | None = None) -> Forward:
-        """Append ids [B, t] (real [B, t] bool: False marks a hole) and run them; last_only: logits of
-        the last slot only ([B, 1, V]), for a forward whose other positions nobody reads. tree: the new
-        slots are a tree (each attends to its ancestors; position = length + depth), not a sequence."""
+    def forward(self, ids: torch.Tensor, real: torch.Tensor | list[list[bool]], hidden: bool = False,
+                last_only: bool = False, tree: Tree | None = None) -> Forward:
+        """Append ids [B, t] (real [B, t] bool: False marks a hole; as host lists, the host keeps its copy)
+        and run them; last_only: logits of the last slot only ([B, 1, V]), for a forward whose other
+        positions nobody reads. tree: the new slots are a tree (each attends to its ancestors; position =
+        length + depth), not a sequence."""
+        if isinstance(real, list):
+            if self.flags is not None:
+                for row, flags in zip(self.flags, real, strict=True):
+                    row.extend(flags)
+            real = on_device(real, self.mask.device, torch.bool)
+        else:
+            self.flags = None
         real = real.bool()
         if tree is None:
             positions = (self.lengths[:, None] + real.long().cumsum(1) - 1).clamp_min(0)  # a hole's is never used
@@ -229,12 +242,18 @@ class KVState:
     def prefill(self, prompts: list[list[int]], pad_id: int, hidden: bool = False) -> Forward:
         """Each prompt but its last token, right-aligned (a one-token prompt adds only a hole)."""
         ids, real = left_padded([p[:-1] or [pad_id] for p in prompts], pad_id, self.mask.device)
-        real &= on_device([len(p) > 1 for p in prompts], self.mask.device)[:, None]
+        real = [r if len(p) > 1 else [False] * len(r) for r, p in zip(real, prompts, strict=True)]
         return self.forward(ids, real, hidden, last_only=True)
+
+    def _set(self, row: int, start: int, stop: int, value: bool) -> None:
+        self.mask[row, start:stop] = value
+        if self.flags is not None:
+            flags = self.flags[row]
+            flags[start:stop] = [value] * len(flags[start:stop])
 
     def make_holes(self, row: int, start: int, stop: int) -> None:
         """Slots [start, stop) of a row no longer hold tokens of its sequence."""
-        self.mask[row, start:stop] = False
+        self._set(row, start, stop, False)
 
     def keep(self, row: int, start: int, stop: int, slots: list[int]) -> None:
         """Of a row's slots [start, stop), keep the entries in `slots` (ascending; a tree's kept path),
@@ -243,21 +262,28 @@ class KVState:
         if slots != dst:
             device = self.mask.device
             self.backend.move(row, on_device(slots, device), on_device(dst, device))
-        self.mask[row, start : start + len(slots)] = True
-        self.mask[row, start + len(slots) : stop] = False
+        self._set(row, start, start + len(slots), True)
+        self._set(row, start + len(slots), stop, False)
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch)."""
         index = on_device(rows, self.mask.device)
         self.backend.select(index)
         self.mask = self.mask[index]
+        if self.flags is not None:
+            self.flags = [list(self.flags[r]) for r in rows]
 
     def trim(self) -> list[int]:
-        """Roll back: drop trailing slots that are holes in every row. Returns each row's length (read
-        to the host with the width, in one read)."""
-        columns = torch.arange(1, self.width + 1, device=self.mask.device)
-        last = (self.mask.any(0) * columns).max(0, keepdim=True).values if self.width else columns.new_zeros(1)
-        width, *lengths = torch.cat([last, self.lengths]).tolist()  # past the last real slot; the rows' lengths
+        """Roll back: drop trailing slots that are holes in every row. Returns each row's length (from the
+        host's copy of the mask; without one, read with the width in one read)."""
+        if self.flags is not None:
+            width = max(len(row) - row[::-1].index(True) if True in row else 0 for row in self.flags)
+            lengths = [row.count(True) for row in self.flags]
+            self.flags = [row[:width] for row in self.flags]
+        else:
+            columns = torch.arange(1, self.width + 1, device=self.mask.device)
+            last = (self.mask.any(0) * columns).max(0, keepdim=True).values if self.width else columns.new_zeros(1)
+            width, *lengths = torch.cat([last, self.lengths]).tolist()  # past the last real slot; the lengths
         if width < self.width:
             self.backend.crop(width)
             self.mask = self.mask[:, :width]
@@ -295,19 +321,15 @@ def on_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     return host.to(device)
 
 
-def stacked(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, w] and real [B, w] from each row's ids already on the device (nothing sent from the host),
-    padded on the right to the longest row."""
+def stacked(rows: list[torch.Tensor], pad: int) -> torch.Tensor:
+    """ids [B, w] from each row's ids already on the device (nothing sent from the host), padded on the
+    right to the longest row."""
     width = max(len(r) for r in rows)
-    ids = torch.stack([F.pad(r, (0, width - len(r)), value=pad) for r in rows])
-    real = torch.stack([F.pad(torch.ones(len(r), dtype=torch.bool, device=r.device), (0, width - len(r)))
-                        for r in rows])
-    return ids, real
+    return torch.stack([F.pad(r, (0, width - len(r)), value=pad) for r in rows])
 
 
-def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, w] and real [B, w] from host lists, each row right-aligned; one copy to the device."""
+def left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, list[list[bool]]]:
+    """Host rows right-aligned: ids [B, w] on the device (one copy) and real [B][w] on the host."""
     width = max(map(len, rows))
-    ids, real = on_device([[[pad] * (width - len(r)) + r, [0] * (width - len(r)) + [1] * len(r)] for r in rows],
-                          device, torch.long).unbind(1)
-    return ids, real.bool()
+    ids = on_device([[pad] * (width - len(r)) + r for r in rows], device, torch.long)
+    return ids, [[False] * (width - len(r)) + [True] * len(r) for r in rows]
