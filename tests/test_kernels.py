@@ -1,6 +1,7 @@
 """Kernels chosen by measuring on this machine (kernels.py): the table, its choices, its cache, and
 every CPU-dependent path forced on this CPU (instruction-set caps, packing made to fail)."""
 
+import copy
 import json
 import os
 import subprocess
@@ -204,6 +205,10 @@ def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_pa
         assert same == "True" or dtype == "bfloat16"  # bf16 near-ties may part; float32 must not
         if cap == "AVX2" and dtype == "bfloat16":
             assert cls.startswith("AVX2") and "onednn" in skipped and "no bf16 matrix instructions" in why
+        if cap == "AVX2":  # our AVX-512 kernels are never called there (an illegal instruction kills, not raises)
+            assert "'avx512'" in skipped and "'avx512-dot'" in skipped
+        if cap == "AVX512_CORE":  # AVX-512 without its bf16 instructions: the pair kernel is not called
+            assert "'avx512-dot'" in skipped
 
 
 @pytest.mark.slow
@@ -281,6 +286,36 @@ def test_every_registered_path_gives_transformers_logits_at_a_step_and_a_verify(
     torch.testing.assert_close(step, full[3], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", [name for name, p in kernels.PATHS.items() if torch.bfloat16 in p.dtypes])
+def test_every_bfloat16_path_gives_transformers_logits_within_bfloat16(random_pair, fresh_tables, path):
+    """A bfloat16 model through each path that multiplies bfloat16, chosen for every shape and row count:
+    a verify's and a step's logits equal the float32 computation of the same bfloat16 weights within
+    bfloat16's rounding, as transformers' own bfloat16 forward does."""
+    why = kernels.unavailable(torch.bfloat16).get(path)
+    if why:
+        pytest.skip(f"{path} does not run on this CPU: {why}")
+    V, prompt, verify = random_pair.vocab_size, words(0, 1, 2, 3), words(3, 4, 6)
+    target = copy.deepcopy(random_pair.target).to(torch.bfloat16)
+    target.__dict__.pop("_specviz_lean", None)  # the copied float64 one
+    t = kernels.table(torch.bfloat16)
+    lean = LeanLlama.of(target)
+    for lin in lean.linears():
+        t.times[kernels.shape_key(lin.weight)] = {str(r): {p: 1.0 if p == path else 2.0 for p in kernels.PATHS}
+                                                  for r in kernels.ROWS}
+    state = KVState(target, 1, "static", V, capacity=12)
+    with torch.inference_mode():
+        state.prefill([prompt], PAD)
+        logits = state.forward(torch.tensor([verify]), [[True] * 3]).logits[0]
+        step = state.forward(torch.tensor([words(5)]), [[True]]).logits[0, -1]
+        ids = torch.tensor([prompt + verify[1:] + words(5)])
+        exact = target.float()(ids).logits[0, -4:, :V]  # the same bfloat16 weights, in float32
+        theirs = target.to(torch.bfloat16)(ids).logits[0, -4:, :V].float()
+    assert lean.head.paths == {3: path, 1: path}
+    ours = torch.cat([logits, step[None]])
+    scale = exact.abs().max()
+    assert (ours - exact).abs().max() <= max(2 * (theirs - exact).abs().max(), 0.02 * scale)
+
+
 def test_a_lossy_path_drafts_only_and_the_output_stays_exact(eagle_pair, fresh_tables, monkeypatch):
     """int8 forced wherever it may go: only the EAGLE head's products take it; greedy tree text equals the
     baseline's, and seeded sampled rows of a batch decode what they decode alone (each row quantized on
@@ -339,6 +374,32 @@ def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables, wei
         assert (alone.double() - (x.double() @ w.double().T + b.double())).abs().max() > 1e-3
     for rows in range(2, 14):
         together = native.run(x[:rows].view(1, rows, 70), packed, w, b, rows)
+        assert together.shape == (1, rows, 37) and torch.equal(together[0], alone[:rows]), rows
+    if "avx512" not in kernels.unavailable(torch.float32):  # the same chains of FMAs in wider registers
+        for rows in (1, 3, 6, 7, 12, 13):
+            assert torch.equal(native.run(x[:rows], packed, w, b, rows, avx512=True), alone[:rows]), rows
+
+
+def test_the_pair_kernel_multiplies_bfloat16_and_each_row_alone(fresh_tables):
+    """The AVX512-BF16 kernel of a bfloat16 model (pairs of k per instruction): against float64 of the same
+    bfloat16 numbers, within the sum's float32 and the output's bfloat16 roundings, for every row count up
+    to 25 (passes of 1-12 rows), an odd k and a width that is not a multiple of 16; a row's numbers are
+    bitwise the same alone and among others."""
+    from specviz.models import native
+
+    if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
+        pytest.skip(f"the pair kernel does not run here: {why}")
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(37, 71, generator=gen).bfloat16(), torch.randn(37, generator=gen).bfloat16()
+    x = torch.randn(25, 71, generator=gen).bfloat16()
+    packed = native.pack_pairs(w)
+    assert packed.shape == (3, 36, 16, 2) and not packed[2, :, 5:].any() and not packed[:, 35, :, 1].any()
+    alone = torch.cat([native.run_pairs(x[i:i + 1], packed, w, b) for i in range(25)])
+    exact = x.double() @ w.double().T + b.double()
+    assert alone.dtype == torch.bfloat16
+    torch.testing.assert_close(alone.double(), exact, rtol=8e-3, atol=8e-3)
+    for rows in range(2, 26):
+        together = native.run_pairs(x[:rows].view(1, rows, 71), packed, w, b)
         assert together.shape == (1, rows, 37) and torch.equal(together[0], alone[:rows]), rows
 
 

@@ -83,6 +83,36 @@ def _mkl(x, packed, weight, bias, rows):
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
 
+def _avx2_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return native.pack(weight, torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32)
+
+
+def _native(avx512: bool) -> Callable[..., torch.Tensor]:
+    def run(x, packed, weight, bias, rows):
+        """A bfloat16 model's product in float32 (the weights widened exactly, the sums float32 as in any
+        bf16 kernel), rounded back to bfloat16; a float32 model's as it is."""
+        if x.dtype == torch.float32:
+            return native.run(x, packed, weight, bias, rows, avx512)
+        return native.run(x.float(), packed, weight, None if bias is None else bias.float(), rows, avx512).to(x.dtype)
+    return run
+
+
+def _avx512_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    native.wide()  # this CPU cannot run it: raise now, so the path is skipped before anything calls it
+    return _avx2_pack(weight, rows)
+
+
+def _pairs_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    native.wide()
+    if not cpu_class().startswith(("AMX", "AVX512-BF16")):  # caps included: a capped CPU runs no such kernel
+        raise RuntimeError(f"needs AVX512-BF16 (this process runs {cpu_class()} kernels)")
+    return native.pack_pairs(weight)
+
+
+def _pairs(x, packed, weight, bias, rows):
+    return native.run_pairs(x, packed, weight, bias)
+
+
 def _int8_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """Symmetric int8 per output row, packed for the quantized engine (fbgemm on x86; raises where the
     engine cannot run, or once PyTorch drops quantized tensors, which it has announced: then the path
@@ -118,10 +148,17 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
                "weights reordered once for oneDNN, for a batch of 16 rows (its blocked layout)"),
     KernelPath("mkl", (torch.float32,), True, lambda w, r: torch.ops.mkl._mkl_reorder_linear_weight(w, r), _mkl,
                "weights packed for MKL's sgemm, one copy per row count"),
-    KernelPath("avx2", (torch.float32,), False, lambda w, rows: native.pack(w, torch.float32), native.run,
-               "specviz's own AVX2/FMA kernel: weights in 16-column blocks, up to 6 rows per pass (native.py)"),
-    KernelPath("avx2-bf16", (torch.float32,), False, lambda w, rows: native.pack(w, torch.bfloat16), native.run,
+    KernelPath("avx2", (torch.float32, torch.bfloat16), False, _avx2_pack, _native(False),
+               "specviz's own AVX2/FMA kernel: weights in 16-column blocks, up to 6 rows per pass, float32 sums "
+               "(bfloat16 weights widened in registers; native.py)"),
+    KernelPath("avx512", (torch.float32, torch.bfloat16), False, _avx512_pack, _native(True),
+               "the same kernel in AVX-512 registers: a block per register, up to 12 rows per pass, the same bits"),
+    KernelPath("avx512-dot", (torch.bfloat16,), False, _pairs_pack, _pairs,
+               "specviz's kernel for bfloat16 models with AVX512-BF16: a pair of products per lane and instruction"),
+    KernelPath("avx2-bf16", (torch.float32,), False, lambda w, rows: native.pack(w, torch.bfloat16), _native(False),
                "the same kernel on weights rounded to bfloat16, half the bytes (drafters only)", lossy=True),
+    KernelPath("avx512-bf16", (torch.float32,), False, lambda w, rows: _avx512_pack(w.bfloat16(), rows),
+               _native(True), "the AVX-512 kernel on weights rounded to bfloat16 (drafters only)", lossy=True),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True),
 ]}
@@ -176,8 +213,8 @@ def describe_machine(m: dict | None = None) -> str:
 
 
 def registry() -> list[str]:
-    """What the timings depend on besides the machine: the paths, and our own kernel's build."""
-    return [*sorted(PATHS), native.digest()]
+    """What the timings depend on besides the machine: the paths with their dtypes, and our own kernel's build."""
+    return [*(f"{name} {' '.join(map(str, PATHS[name].dtypes))}" for name in sorted(PATHS)), native.digest()]
 
 
 def _key(m: dict, dtype: torch.dtype) -> str:

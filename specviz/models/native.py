@@ -2,6 +2,10 @@
 
 Weights are packed as float32 (the path "avx2") or rounded to bfloat16 ("avx2-bf16", for drafters:
 half the bytes, each widened back to float32 in registers), inputs and sums are float32 either way.
+A bfloat16 model's weights are packed as they are. The same file holds the kernel with AVX-512
+registers (the path "avx512": wider FMAs, the same bits), run only where ATen itself runs its
+AVX-512 kernels, and, for bfloat16 models on CPUs with AVX512-BF16, one that keeps the inputs in
+bfloat16 and multiplies pairs of them per instruction (the path "avx512-dot", `pack_pairs`).
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
@@ -79,9 +83,11 @@ def library() -> ctypes.CDLL:
     if capability not in ("avx2", "avx512"):  # ATen's own check of AVX2 and FMA (ATEN_CPU_CAPABILITY caps it)
         raise RuntimeError(f"needs AVX2 and FMA (ATen runs {capability} kernels here)")
     lib = ctypes.CDLL(str(build()))
-    for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16):
+    for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16, lib.specviz_gemm512, lib.specviz_gemm512_bf16):
         entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
         entry.restype = None
+    lib.specviz_gemm_dot_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.specviz_gemm_dot_bf16.restype = None
     return lib
 
 
@@ -94,16 +100,54 @@ def pack(weight: torch.Tensor, as_dtype: torch.dtype = torch.float32) -> torch.T
     return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
 
 
+def wide() -> None:
+    """Raise unless the AVX-512 kernel can run here (an instruction the CPU lacks would kill the process,
+    not raise, so this is asked before each call)."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    if capability != "avx512":  # ATen's check of AVX512F/BW/VL/DQ and the OS (ATEN_CPU_CAPABILITY caps it)
+        raise RuntimeError(f"needs AVX-512 (ATen runs {capability} kernels here)")
+
+
 def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        rows: int) -> torch.Tensor:
+        rows: int, avx512: bool = False) -> torch.Tensor:
     """x [..., K] @ weight.T + bias -> [..., N] in float32, through the packed blocks (float32 or bfloat16
-    weights; the sums are float32 either way)."""
+    weights; the sums are float32 either way), with 256-bit registers or, avx512, 512-bit ones."""
     n, k = weight.shape
     flat = x.reshape(-1, k).contiguous()
     if flat.dtype != torch.float32:
         raise TypeError(f"the avx2 kernel multiplies float32, got {flat.dtype}")
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    entry = library().specviz_gemm_bf16 if packed.dtype == torch.bfloat16 else library().specviz_gemm
-    entry(flat.data_ptr(), packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
-          flat.shape[0], n, k)
+    lib = library()
+    if avx512:
+        wide()
+        entry = lib.specviz_gemm512_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm512
+    else:
+        entry = lib.specviz_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm
+    b = None if bias is None else bias.contiguous()  # held here while the kernel reads it
+    entry(flat.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), flat.shape[0], n, k)
     return y.reshape(*x.shape[:-1], n)
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] -> [ceil(N / 16), ceil(K / 2), 16, 2]: per block of 16 columns and pair of k,
+    each column's two weights side by side (zero-padded), as VDPBF16PS reads them."""
+    library()
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k + k % 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight.detach()
+    return padded.view(-1, BLOCK, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def run_pairs(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight.T + bias -> [..., N] in bfloat16, x and the weights in bfloat16, the sums float32
+    (the caller has checked that this CPU has AVX512-BF16: the instruction would kill the process)."""
+    n, k = weight.shape
+    flat = x.reshape(-1, k)
+    if flat.dtype != torch.bfloat16:
+        raise TypeError(f"the pair kernel multiplies bfloat16, got {flat.dtype}")
+    flat = (torch.nn.functional.pad(flat, (0, 1)) if k % 2 else flat).contiguous()
+    y = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    b = None if bias is None else bias.float().contiguous()  # held here while the kernel reads it
+    library().specviz_gemm_dot_bf16(flat.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(),
+                                    y.data_ptr(), flat.shape[0], n, packed.shape[1])
+    return y.to(torch.bfloat16).reshape(*x.shape[:-1], n)
