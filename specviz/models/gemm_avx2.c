@@ -8,7 +8,9 @@
    widened to float32 in registers, exactly; x, the sums and y stay float32).
    Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
    result never depends on the rows beside it. Blocks are shared among OpenMP threads (torch's
-   runtime: the process loads one libgomp, and torch.set_num_threads sets its thread count). */
+   runtime: the process loads one libgomp, and torch.set_num_threads sets its thread count).
+   Below it, the same kernel in AVX-512 registers ("avx512", "avx512-bf16") and a bfloat16 one for
+   AVX512-BF16 ("avx512-dot"), each compiled for its instructions function by function. */
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
