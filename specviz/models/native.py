@@ -83,11 +83,10 @@ def library() -> ctypes.CDLL:
     if capability not in ("avx2", "avx512"):  # ATen's own check of AVX2 and FMA (ATEN_CPU_CAPABILITY caps it)
         raise RuntimeError(f"needs AVX2 and FMA (ATen runs {capability} kernels here)")
     lib = ctypes.CDLL(str(build()))
-    for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16, lib.specviz_gemm512, lib.specviz_gemm512_bf16):
+    for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16, lib.specviz_gemm512, lib.specviz_gemm512_bf16,
+                  lib.specviz_gemm_dot_bf16):  # x, w, b, y, m, n, and k (the pair kernel: k / 2)
         entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
         entry.restype = None
-    lib.specviz_gemm_dot_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    lib.specviz_gemm_dot_bf16.restype = None
     return lib
 
 
