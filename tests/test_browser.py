@@ -343,8 +343,17 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         page.locator("#lossless-status :text('Sampling')").wait_for(timeout=120_000)
         page.locator("#stop-btn").click()
         page.evaluate(STOP_TIMER)
-        page.wait_for_timeout(3000)  # the chunk under way may still report, and Gradio clears its progress
-        late, settled = page.evaluate("[window.svChanged, window.svUpdates]")
+        # the chunk under way may still report, and Gradio clears its progress: wait until 3 s pass without an
+        # update (a chunk takes longer while the other test worker loads the CPU), at most 30 s
+        settled, quiet = 0, 0
+        for _ in range(60):
+            page.wait_for_timeout(500)
+            updates = page.evaluate("window.svUpdates")
+            quiet, settled = (quiet + 1, settled) if updates == settled else (0, updates)
+            if quiet == 6:
+                break
+        assert quiet == 6, settled  # still reporting 30 s after Stop
+        late = page.evaluate("window.svChanged")
         page.wait_for_timeout(4000)
         updates = page.evaluate("window.svUpdates")
         assert updates == settled, (settled, updates)  # then nothing: a running sampler reports every 256 rows
