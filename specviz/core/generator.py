@@ -308,15 +308,14 @@ def _shown(proposal: Proposal, p_logits: torch.Tensor, p: torch.Tensor,
 
 
 def _shown_reads(proposal: Proposal, p_show: torch.Tensor, q_show: torch.Tensor,
-                 greedy_p: torch.Tensor | None) -> torch.Tensor:
+                 best: torch.Tensor | None) -> torch.Tensor:
     """The values shown for a round, as one float64 vector on the device: p of each drafted token at every
     row [g + 1, g] (its parent's row is picked on the host, so no index list goes to the device) and q of
-    each [g]. Greedy (greedy_p: the rule's p), the extra token is some row's argmax, known before the walk
-    ends: also its p at every row [g + 1] and q at every node [g, g + 1]."""
+    each [g]. Greedy (best [g + 1]: each row's argmax of the rule's p), the extra token is some row's
+    argmax, known before the walk ends: also its p at every row [g + 1] and q at every node [g, g + 1]."""
     drafts = proposal.tokens
     values = [p_show[:, drafts].flatten(), q_show.gather(1, drafts[:, None]).flatten()]
-    if greedy_p is not None:
-        best = greedy_p.argmax(-1)  # [g + 1]
+    if best is not None:
         values.append(p_show.gather(1, best[:, None]).flatten())
         if drafts.numel():
             values.append(q_show[:, best].flatten())
@@ -501,13 +500,15 @@ def decode(
         verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
         p_all = logits_to_probs(verify.logits, params)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
         ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
+        best = p_all.argmax(-1) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the rule's test
         shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
                  for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
         # one read for the whole round: every row's values for the rule, then the values the page shows
-        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy)
-                  for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
-        wanted += [_shown_reads(prop, *show, ps[i] if params.greedy else None)
-                   for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
+        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy,
+                             None if best is None else best[i, : g + 1])
+                  for i, (r, g, prop) in enumerate(zip(active, drafted, proposals, strict=True))]
+        wanted += [_shown_reads(prop, *show, None if best is None else best[i, : g + 1])
+                   for i, (g, prop, show) in enumerate(zip(drafted, proposals, shows, strict=True))]
         host = _read_together(wanted)
         verdicts = [accept_or_resample(ps[i], prop.q, prop.tokens, generators[r], params.greedy, prop.parents,
                                        host[i])

@@ -163,14 +163,15 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None,
-               greedy: bool = False) -> torch.Tensor:
+               greedy: bool = False, best: torch.Tensor | None = None) -> torch.Tensor:
     """What the walk reads, as one float64 vector on the device (ids < 2^53: exact), so a caller can read
     it together with other values at once (on a GPU each read waits for the queue). Greedy: the drafted
     ids [g] and each p row's argmax [g + 1]. Sampled: min(1, p(d)/q(d)) of every draft at every row
     [g + 1, g] (a node's parent row is picked on the host, so no index list goes to the device), the
-    uniform draws [g] and the drafted ids [g]; the draws come from `generator` here, before the walk's."""
+    uniform draws [g] and the drafted ids [g]; the draws come from `generator` here, before the walk's.
+    best: p.argmax(-1), if the caller has it already."""
     if greedy:
-        return torch.cat([draft, p.argmax(-1)]).double()
+        return torch.cat([draft, p.argmax(-1) if best is None else best]).double()
     ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
     u = torch.rand(draft.shape[0], generator=generator, device=draft.device)
     return torch.cat([ratios.flatten().double(), u.double(), draft.double()])

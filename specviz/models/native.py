@@ -100,8 +100,8 @@ def pack(weight: torch.Tensor, as_dtype: torch.dtype = torch.float32) -> torch.T
 
 
 def wide() -> None:
-    """Raise unless the AVX-512 kernel can run here (an instruction the CPU lacks would kill the process,
-    not raise, so this is asked before each call)."""
+    """Raise unless the AVX-512 kernels can run here: an instruction the CPU lacks would kill the process,
+    not raise, so their paths ask this when they pack a weight (kernels.py), before any call."""
     capability = torch.backends.cpu.get_cpu_capability().lower()
     if capability != "avx512":  # ATen's check of AVX512F/BW/VL/DQ and the OS (ATEN_CPU_CAPABILITY caps it)
         raise RuntimeError(f"needs AVX-512 (ATen runs {capability} kernels here)")
@@ -110,7 +110,8 @@ def wide() -> None:
 def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rows: int, avx512: bool = False) -> torch.Tensor:
     """x [..., K] @ weight.T + bias -> [..., N] in float32, through the packed blocks (float32 or bfloat16
-    weights; the sums are float32 either way), with 256-bit registers or, avx512, 512-bit ones."""
+    weights; the sums are float32 either way), with 256-bit registers or, avx512, 512-bit ones (where
+    `wide()` said they run)."""
     n, k = weight.shape
     flat = x.reshape(-1, k).contiguous()
     if flat.dtype != torch.float32:
@@ -118,7 +119,6 @@ def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch
     y = torch.empty(flat.shape[0], n, dtype=torch.float32)
     lib = library()
     if avx512:
-        wide()
         entry = lib.specviz_gemm512_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm512
     else:
         entry = lib.specviz_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm
