@@ -383,24 +383,24 @@ def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables, wei
 def test_the_pair_kernel_multiplies_bfloat16_and_each_row_alone(fresh_tables):
     """The AVX512-BF16 kernel of a bfloat16 model (pairs of k per instruction): against float64 of the same
     bfloat16 numbers, within the sum's float32 and the output's bfloat16 roundings, for every row count up
-    to 25 (passes of 1-12 rows), an odd k and a width that is not a multiple of 16; a row's numbers are
+    to 25 (passes of 1-6 rows), an odd k and a width that is not a multiple of 16 or 64; a row's numbers are
     bitwise the same alone and among others."""
     from specviz.models import native
 
     if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
         pytest.skip(f"the pair kernel does not run here: {why}")
     gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(37, 71, generator=gen).bfloat16(), torch.randn(37, generator=gen).bfloat16()
+    w, b = torch.randn(101, 71, generator=gen).bfloat16(), torch.randn(101, generator=gen).bfloat16()
     x = torch.randn(25, 71, generator=gen).bfloat16()
-    packed = native.pack_pairs(w)
-    assert packed.shape == (3, 36, 16, 2) and not packed[2, :, 5:].any() and not packed[:, 35, :, 1].any()
+    packed = native.pack_pairs(w)  # 2 groups of 64 columns, the second 37 real ones, and 36 pairs of k
+    assert packed.shape == (2, 36, 64, 2) and not packed[1, :, 37:].any() and not packed[:, 35, :, 1].any()
     alone = torch.cat([native.run_pairs(x[i:i + 1], packed, w, b) for i in range(25)])
     exact = x.double() @ w.double().T + b.double()
     assert alone.dtype == torch.bfloat16
     torch.testing.assert_close(alone.double(), exact, rtol=8e-3, atol=8e-3)
     for rows in range(2, 26):
         together = native.run_pairs(x[:rows].view(1, rows, 71), packed, w, b)
-        assert together.shape == (1, rows, 37) and torch.equal(together[0], alone[:rows]), rows
+        assert together.shape == (1, rows, 101) and torch.equal(together[0], alone[:rows]), rows
 
 
 def test_our_kernel_is_skipped_without_a_compiler_and_built_once(fresh_tables, monkeypatch):

@@ -189,48 +189,72 @@ KERNEL512 void specviz_gemm512_bf16(const float *x, const uint16_t *w, const flo
 
 /* A bfloat16 model on a CPU with AVX512-BF16: inputs stay bfloat16 and one VDPBF16PS multiplies a pair of k
    per column and adds both products to the float32 sum, twice the products per instruction of the FMA
-   kernels. The weights are packed as [ceil(n / 16)][k / 2][16][2]: at each pair of k, the 16 columns' two
-   weights side by side, as the instruction reads them; a row's two inputs at that pair are broadcast as one
-   32-bit value. Each output is the same chain of pair steps whatever the number of rows. */
-#define INLINE_BF16 static inline __attribute__((always_inline, target("avx512f,avx512bf16")))
-#define KERNEL_BF16 __attribute__((target("avx512f,avx512bf16")))
-#define PAIR(r, acc) if (rows > r) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(xp[(size_t)r * pairs + p]), w);
-
-INLINE_BF16 void rows_by_pairs(const int32_t *xp, const uint16_t *wb, const char *next, const float *b, float *y,
-                               int rows, int pairs, int n, int n0)
-{
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
-           a9 = a0, a10 = a0, a11 = a0;
-    for (int p = 0; p < pairs; p++) {
-        if (next)
-            _mm_prefetch(next + 64 * (size_t)p, _MM_HINT_T0);
-        __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wb + 32 * (size_t)p));
-        PAIR(0, a0) PAIR(1, a1) PAIR(2, a2) PAIR(3, a3) PAIR(4, a4) PAIR(5, a5)
-        PAIR(6, a6) PAIR(7, a7) PAIR(8, a8) PAIR(9, a9) PAIR(10, a10) PAIR(11, a11)
+   kernels. The weights are packed as [ceil(n / 64)][k / 2][64][2]: per group of 64 columns and pair of k,
+   the columns' two weights side by side, as the instruction reads them (16 columns a register), so a pass
+   streams one group as one run of memory. A row's two inputs at a pair are broadcast as one 32-bit value.
+   A pass takes a group and up to 6 rows: 4 sums a row, independent, so the instruction's latency is hidden
+   even for one row (with one 16-column block a pass, one row left each sum waiting on the last), 24 sums,
+   4 weight vectors and a broadcast: 29 of the 32 registers. Each output is the same chain of pair steps
+   whatever the rows beside it. */
+#define GROUP 64 /* columns per packed group: native.PAIR_GROUP */
+#define PAIR(r, c, acc) acc = _mm512_dpbf16_ps(acc, x##r, w##c);
+#define PAIRS_OF_ROW(r, a, b, c, d)                                                    \
+    if (rows > r) {                                                                    \
+        __m512bh x##r = (__m512bh)_mm512_set1_epi32(xp[(size_t)r * pairs + p]);       \
+        PAIR(r, 0, a) PAIR(r, 1, b) PAIR(r, 2, c) PAIR(r, 3, d)                        \
     }
-    STORE512(0, a0) STORE512(1, a1) STORE512(2, a2) STORE512(3, a3) STORE512(4, a4) STORE512(5, a5)
-    STORE512(6, a6) STORE512(7, a7) STORE512(8, a8) STORE512(9, a9) STORE512(10, a10) STORE512(11, a11)
+#define STORE_ROW(r, a, b, c, d)                                                       \
+    if (rows > r) {                                                                    \
+        float *yr = y + (size_t)r * n;                                                 \
+        store16(a, bias, yr, n, n0);                                                   \
+        if (n0 + 16 < n) store16(b, bias, yr, n, n0 + 16);                             \
+        if (n0 + 32 < n) store16(c, bias, yr, n, n0 + 32);                             \
+        if (n0 + 48 < n) store16(d, bias, yr, n, n0 + 48);                             \
+    }
+
+/* `rows` (1-6; a constant where inlined) rows times the group of 64 columns from n0 on, packed at wg. */
+static inline __attribute__((always_inline, target("avx512f,avx512bf16"))) void
+rows_by_group(const int32_t *xp, const uint16_t *wg, const float *bias, float *y, int rows, int pairs, int n, int n0)
+{
+    __m512 z = _mm512_setzero_ps(), a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z, c0 = z, c1 = z,
+           c2 = z, c3 = z, d0 = z, d1 = z, d2 = z, d3 = z, e0 = z, e1 = z, e2 = z, e3 = z, f0 = z, f1 = z, f2 = z,
+           f3 = z;
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *at = wg + 2 * GROUP * (size_t)p;
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)at),
+                 w1 = (__m512bh)_mm512_loadu_si512((const void *)(at + 32)),
+                 w2 = (__m512bh)_mm512_loadu_si512((const void *)(at + 64)),
+                 w3 = (__m512bh)_mm512_loadu_si512((const void *)(at + 96));
+        PAIRS_OF_ROW(0, a0, a1, a2, a3) PAIRS_OF_ROW(1, b0, b1, b2, b3) PAIRS_OF_ROW(2, c0, c1, c2, c3)
+        PAIRS_OF_ROW(3, d0, d1, d2, d3) PAIRS_OF_ROW(4, e0, e1, e2, e3) PAIRS_OF_ROW(5, f0, f1, f2, f3)
+    }
+    STORE_ROW(0, a0, a1, a2, a3) STORE_ROW(1, b0, b1, b2, b3) STORE_ROW(2, c0, c1, c2, c3)
+    STORE_ROW(3, d0, d1, d2, d3) STORE_ROW(4, e0, e1, e2, e3) STORE_ROW(5, f0, f1, f2, f3)
 }
 
-#define PASS_PAIRS(r) case r: rows_by_pairs(xs, wb, next, b, ys, r, pairs, n, j * 16); break;
+/* One function per row count, so each gets the 32 registers to itself (inlined into one switch, the
+   compiler kept the sums of the larger passes in memory). */
+#define PASS_FN(r)                                                                                             \
+    static __attribute__((noinline, target("avx512f,avx512bf16"))) void pass_##r(                             \
+        const int32_t *xs, const uint16_t *wg, const float *bias, float *ys, int pairs, int n, int n0)         \
+    {                                                                                                          \
+        rows_by_group(xs, wg, bias, ys, r, pairs, n, n0);                                                      \
+    }
+PASS_FN(1) PASS_FN(2) PASS_FN(3) PASS_FN(4) PASS_FN(5) PASS_FN(6)
 
-KERNEL_BF16 void specviz_gemm_dot_bf16(const int32_t *x, const uint16_t *w, const float *b, float *y, int m, int n,
-                                       int pairs)
+__attribute__((target("avx512f,avx512bf16"))) void specviz_gemm_dot_bf16(const int32_t *x, const uint16_t *w,
+                                                                         const float *bias, float *y, int m, int n,
+                                                                         int pairs)
 {
+    void (*pass[])(const int32_t *, const uint16_t *, const float *, float *, int, int, int) = {
+        pass_1, pass_2, pass_3, pass_4, pass_5, pass_6};
 #pragma omp parallel for schedule(static)
-    for (int j = 0; j < (n + 15) / 16; j++) {
-        const uint16_t *wb = w + (size_t)j * pairs * 32;
-        int passes = (m + 11) / 12, blocks = (n + 15) / 16;
+    for (int g = 0; g < (n + GROUP - 1) / GROUP; g++) {
+        const uint16_t *wg = w + (size_t)g * pairs * 2 * GROUP;
+        int passes = (m + 5) / 6; /* rows in passes of at most 6, as even as can be (8: 4 + 4) */
         for (int p = 0, m0 = 0; p < passes; p++) {
             int rows = m / passes + (p < m % passes);
-            const int32_t *xs = x + (size_t)m0 * pairs;
-            const char *next = m > 1 && p == 0 && j + 1 < blocks ? (const char *)(wb + (size_t)pairs * 32) : 0;
-            float *ys = y + (size_t)m0 * n;
-            switch (rows) {
-            PASS_PAIRS(1) PASS_PAIRS(2) PASS_PAIRS(3) PASS_PAIRS(4) PASS_PAIRS(5) PASS_PAIRS(6)
-            PASS_PAIRS(7) PASS_PAIRS(8) PASS_PAIRS(9) PASS_PAIRS(10) PASS_PAIRS(11)
-            default: rows_by_pairs(xs, wb, next, b, ys, 12, pairs, n, j * 16); break;
-            }
+            pass[rows - 1](x + (size_t)m0 * pairs, wg, bias, y + (size_t)m0 * n, pairs, n, g * GROUP);
             m0 += rows;
         }
     }

@@ -44,9 +44,10 @@ from . import native
 from .cachedir import cache_root, locked
 
 ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wider verifies and drafts
-CELL_BUDGET_S = 0.025  # seconds of timing per (shape, rows, path), at least MIN_REPEATS repeats
+CELL_BUDGET_S = 0.025  # seconds per (shape, rows, path), evictions included; at least MIN_REPEATS repeats
 MIN_REPEATS, MAX_REPEATS = 5, 40
-WEIGHTS_PER_SHAPE = 4  # distinct weights swept per timing, so reads come from memory as in a step
+WEIGHTS_PER_SHAPE = 4  # distinct weights swept per timing
+TIMING = "cold: the caches evicted before each sweep"  # how cells are timed (part of the table's key)
 ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
              "avx_ne_convert")
 log = logging.getLogger("specviz")
@@ -213,8 +214,9 @@ def describe_machine(m: dict | None = None) -> str:
 
 
 def registry() -> list[str]:
-    """What the timings depend on besides the machine: the paths with their dtypes, and our own kernel's build."""
-    return [*(f"{name} {' '.join(map(str, PATHS[name].dtypes))}" for name in sorted(PATHS)), native.digest()]
+    """What the timings depend on besides the machine: the paths with their dtypes, our own kernel's build, and
+    how cells are timed."""
+    return [*(f"{name} {' '.join(map(str, PATHS[name].dtypes))}" for name in sorted(PATHS)), native.digest(), TIMING]
 
 
 def _key(m: dict, dtype: torch.dtype) -> str:
@@ -323,8 +325,33 @@ def unavailable(dtype: torch.dtype) -> dict[str, str]:
     return {p.name: why for p in PATHS.values() if p.name != "linear" and (why := _runs_here(p, dtype))}
 
 
+@functools.cache
+def _largest_cache_bytes() -> int:
+    """The CPU's largest cache in bytes (Linux sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+@functools.cache
+def _eviction_buffer() -> torch.Tensor:
+    return torch.ones(min(2 * _largest_cache_bytes(), 512 << 20) // 8, dtype=torch.int64)
+
+
+def _evict() -> None:
+    """Read twice the largest cache's bytes, so the next weights come from memory. In a decode every weight
+    does (a model's weights stream through the caches once a step); timed hot, from cache, a kernel that
+    computes fast but streams slowly wins cells it loses in a step (on CPU A: oneDNN at 5-8 rows)."""
+    _eviction_buffer().sum()
+
+
 def _time_cells(weights: list[torch.Tensor], paths: list[KernelPath], rows_list: Iterable[int]) -> dict:
-    """rows -> path -> ms per call; paths interleaved within each repeat, medians."""
+    """rows -> path -> ms per call, the weights read from memory; paths interleaved within each repeat, medians."""
     out: dict[str, dict[str, float]] = {}
     once = {p.name: [p.pack(w, 1) for w in weights] for p in paths if not p.per_rows}
     for rows in rows_list:
@@ -332,13 +359,17 @@ def _time_cells(weights: list[torch.Tensor], paths: list[KernelPath], rows_list:
         packs = {p.name: once.get(p.name) or [p.pack(w, rows) for w in weights] for p in paths}
 
         def sweep(p: KernelPath, x=x, packs=packs, rows=rows) -> float:
+            _evict()
             start = time.perf_counter()
             for w, packed in zip(weights, packs[p.name], strict=True):
                 p.run(x, packed, w, None, rows)
             return (time.perf_counter() - start) / len(weights)
 
-        first = {p.name: sweep(p) for p in paths}  # warm-up, and the size of a repeat
-        repeats = int(min(MAX_REPEATS, max(MIN_REPEATS, CELL_BUDGET_S / max(max(first.values()), 1e-6))))
+        started = time.perf_counter()
+        for p in paths:  # warm-up, and the size of a repeat (evictions included)
+            sweep(p)
+        per_path = (time.perf_counter() - started) / len(paths)
+        repeats = int(min(MAX_REPEATS, max(MIN_REPEATS, CELL_BUDGET_S / max(per_path, 1e-6))))
         samples: dict[str, list[float]] = {p.name: [] for p in paths}
         for _ in range(repeats):
             for p in paths:

@@ -34,6 +34,7 @@ from .cachedir import cache_root, locked
 SOURCE = Path(__file__).with_name("gemm_avx2.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
+PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
 
 
 def _compiler() -> str:
@@ -128,13 +129,13 @@ def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight [N, K] -> [ceil(N / 16), ceil(K / 2), 16, 2]: per block of 16 columns and pair of k,
-    each column's two weights side by side (zero-padded), as VDPBF16PS reads them."""
+    """A bfloat16 weight [N, K] -> [ceil(N / 64), ceil(K / 2), 64, 2]: per group of 64 columns and pair of k,
+    each column's two weights side by side (zero-padded), as VDPBF16PS reads them, 16 columns a register."""
     library()
     n, k = weight.shape
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k + k % 2, dtype=torch.bfloat16)
+    padded = torch.zeros(-(-n // PAIR_GROUP) * PAIR_GROUP, k + k % 2, dtype=torch.bfloat16)
     padded[:n, :k] = weight.detach()
-    return padded.view(-1, BLOCK, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+    return padded.view(-1, PAIR_GROUP, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
 def run_pairs(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
