@@ -191,12 +191,23 @@ KERNEL512 void specviz_gemm512_bf16(const float *x, const uint16_t *w, const flo
    per column and adds both products to the float32 sum, twice the products per instruction of the FMA
    kernels. The weights are packed as [ceil(n / 64)][k / 2][64][2]: per group of 64 columns and pair of k,
    the columns' two weights side by side, as the instruction reads them (16 columns a register), so a pass
-   streams one group as one run of memory. A row's two inputs at a pair are broadcast as one 32-bit value.
+   streams one group as one run of memory. Sums are float32; y gets them (+ bias) rounded to bfloat16. A row's two inputs at a pair are broadcast as one 32-bit value.
    A pass takes a group and up to 6 rows: 4 sums a row, independent, so the instruction's latency is hidden
    even for one row (with one 16-column block a pass, one row left each sum waiting on the last), 24 sums,
    4 weight vectors and a broadcast: 29 of the 32 registers. Each output is the same chain of pair steps
    whatever the rows beside it. */
 #define GROUP 64 /* columns per packed group: native.PAIR_GROUP */
+#define TARGET_BF16 target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+/* 16 sums (+ bias) rounded to bfloat16 (to nearest even, as torch rounds) into y[n0..], the columns below n. */
+static inline __attribute__((always_inline, TARGET_BF16)) void store16_bf16(__m512 acc, const float *bias,
+                                                                           uint16_t *y, int n, int n0)
+{
+    __mmask16 keep = (__mmask16)((1u << (n - n0 < 16 ? n - n0 : 16)) - 1);
+    if (bias)
+        acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(keep, bias + n0));
+    _mm256_mask_storeu_epi16(y + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc));
+}
 #define PAIR(r, c, acc) acc = _mm512_dpbf16_ps(acc, x##r, w##c);
 #define PAIRS_OF_ROW(r, a, b, c, d)                                                    \
     if (rows > r) {                                                                    \
@@ -205,16 +216,16 @@ KERNEL512 void specviz_gemm512_bf16(const float *x, const uint16_t *w, const flo
     }
 #define STORE_ROW(r, a, b, c, d)                                                       \
     if (rows > r) {                                                                    \
-        float *yr = y + (size_t)r * n;                                                 \
-        store16(a, bias, yr, n, n0);                                                   \
-        if (n0 + 16 < n) store16(b, bias, yr, n, n0 + 16);                             \
-        if (n0 + 32 < n) store16(c, bias, yr, n, n0 + 32);                             \
-        if (n0 + 48 < n) store16(d, bias, yr, n, n0 + 48);                             \
+        uint16_t *yr = y + (size_t)r * n;                                              \
+        store16_bf16(a, bias, yr, n, n0);                                              \
+        if (n0 + 16 < n) store16_bf16(b, bias, yr, n, n0 + 16);                        \
+        if (n0 + 32 < n) store16_bf16(c, bias, yr, n, n0 + 32);                        \
+        if (n0 + 48 < n) store16_bf16(d, bias, yr, n, n0 + 48);                        \
     }
 
 /* `rows` (1-6; a constant where inlined) rows times the group of 64 columns from n0 on, packed at wg. */
-static inline __attribute__((always_inline, target("avx512f,avx512bf16"))) void
-rows_by_group(const int32_t *xp, const uint16_t *wg, const float *bias, float *y, int rows, int pairs, int n, int n0)
+static inline __attribute__((always_inline, TARGET_BF16)) void
+rows_by_group(const int32_t *xp, const uint16_t *wg, const float *bias, uint16_t *y, int rows, int pairs, int n, int n0)
 {
     __m512 z = _mm512_setzero_ps(), a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z, c0 = z, c1 = z,
            c2 = z, c3 = z, d0 = z, d1 = z, d2 = z, d3 = z, e0 = z, e1 = z, e2 = z, e3 = z, f0 = z, f1 = z, f2 = z,
@@ -235,18 +246,17 @@ rows_by_group(const int32_t *xp, const uint16_t *wg, const float *bias, float *y
 /* One function per row count, so each gets the 32 registers to itself (inlined into one switch, the
    compiler kept the sums of the larger passes in memory). */
 #define PASS_FN(r)                                                                                             \
-    static __attribute__((noinline, target("avx512f,avx512bf16"))) void pass_##r(                             \
-        const int32_t *xs, const uint16_t *wg, const float *bias, float *ys, int pairs, int n, int n0)         \
+    static __attribute__((noinline, TARGET_BF16)) void pass_##r(                                               \
+        const int32_t *xs, const uint16_t *wg, const float *bias, uint16_t *ys, int pairs, int n, int n0)      \
     {                                                                                                          \
         rows_by_group(xs, wg, bias, ys, r, pairs, n, n0);                                                      \
     }
 PASS_FN(1) PASS_FN(2) PASS_FN(3) PASS_FN(4) PASS_FN(5) PASS_FN(6)
 
-__attribute__((target("avx512f,avx512bf16"))) void specviz_gemm_dot_bf16(const int32_t *x, const uint16_t *w,
-                                                                         const float *bias, float *y, int m, int n,
-                                                                         int pairs)
+__attribute__((TARGET_BF16)) void specviz_gemm_dot_bf16(const int32_t *x, const uint16_t *w, const float *bias,
+                                                        uint16_t *y, int m, int n, int pairs)
 {
-    void (*pass[])(const int32_t *, const uint16_t *, const float *, float *, int, int, int) = {
+    void (*pass[])(const int32_t *, const uint16_t *, const float *, uint16_t *, int, int, int) = {
         pass_1, pass_2, pass_3, pass_4, pass_5, pass_6};
 #pragma omp parallel for schedule(static)
     for (int g = 0; g < (n + GROUP - 1) / GROUP; g++) {

@@ -146,8 +146,8 @@ def run_pairs(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias:
     if flat.dtype != torch.bfloat16:
         raise TypeError(f"the pair kernel multiplies bfloat16, got {flat.dtype}")
     flat = (torch.nn.functional.pad(flat, (0, 1)) if k % 2 else flat).contiguous()
-    y = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     b = None if bias is None else bias.float().contiguous()  # held here while the kernel reads it
     library().specviz_gemm_dot_bf16(flat.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(),
                                     y.data_ptr(), flat.shape[0], n, packed.shape[1])
-    return y.to(torch.bfloat16).reshape(*x.shape[:-1], n)
+    return y
