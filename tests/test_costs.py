@@ -159,3 +159,18 @@ def test_every_preset_times_its_sampled_shapes_with_the_greedy_ones():
     for preset in PRESETS.values():
         greedy, sampled = preset.taus(), preset.taus(sampled=True)
         assert all(shape in greedy.get(d, {}) for d, shapes in sampled.items() for shape in shapes if shape[1] > 1)
+
+
+def test_a_trees_drafting_is_its_median_round_so_one_slow_round_does_not_reorder_shapes(monkeypatch):
+    """Rounds drafting in 2, 2, 3 and (one slow round) 40 ms: the tree is priced at its median, 2.5 ms, where
+    the mean (11.75) would rank a shape one head step cheaper below a deeper one; a chain keeps its mean per
+    drafted token."""
+    from types import SimpleNamespace as NS
+
+    rounds = [NS(draft_ms=d, verify_ms=10.0, gamma=2, elapsed_ms=0.0) for d in (2.0, 40.0, 3.0, 2.0)]
+    run = NS(events=rounds, meta=NS(prefill_ms=0.0))
+    rounds[-1].elapsed_ms = sum(e.draft_ms + e.verify_ms for e in rounds) + 4.0  # 1 ms of bookkeeping a round
+    monkeypatch.setattr(costs, "generate", lambda *args, **kwargs: run)
+    draft, bookkeeping = costs._round_costs(None, "eagle", False, (3, 3, 5))
+    assert (draft, bookkeeping) == (pytest.approx(2.5), pytest.approx(1.0))
+    assert costs._round_costs(None, "eagle", False, (2, 1, 0))[0] == pytest.approx(47.0 / 8)

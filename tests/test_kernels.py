@@ -52,6 +52,25 @@ def test_the_table_is_measured_once_stored_and_read_back(fresh_tables):
     assert kernels.table(torch.float32, retune=True).times == {}  # retune starts empty
 
 
+def test_every_timed_sweep_reads_its_weights_from_memory(monkeypatch):
+    """The caches are evicted before each sweep (warm-up and repeats, every path and row count), so a cell
+    times what a decode pays: weights streamed from memory, not the few of one shape left in cache. The
+    eviction reads at least twice the largest cache, and how cells are timed keys the table."""
+    log = []
+    monkeypatch.setattr(kernels, "_evict", lambda: log.append("evict"))
+    paths = [kernels.KernelPath(name, (torch.float32,), False, lambda w, rows: None,
+                                lambda x, packed, w, b, rows, name=name: log.append(name) or x @ w.T)
+             for name in ("one", "other")]
+    weights = [torch.randn(8, 4) for _ in range(3)]
+    times = kernels._time_cells(weights, paths, (1, 2))
+    assert set(times) == {"1", "2"} and set(times["1"]) == {"one", "other"}
+    sweeps = " ".join(log).split("evict")[1:]
+    assert log[0] == "evict" and len(sweeps) >= 2 * 2 * (1 + kernels.MIN_REPEATS)
+    assert all(s.split() in (["one"] * 3, ["other"] * 3) for s in sweeps)  # one path's 3 weights per sweep
+    assert kernels._eviction_buffer().numel() * 8 >= min(2 * kernels._largest_cache_bytes(), 512 << 20)
+    assert kernels.TIMING in kernels.registry()
+
+
 def test_a_second_process_waits_for_the_first_and_reads_its_table(fresh_tables):
     """Two processes sharing the cache (two app starts, two test workers) measure once: while one holds
     the table's lock, the other says it waits, then reads what the first stored instead of measuring."""

@@ -46,6 +46,7 @@ from ..models.loading import ModelPair, encode_prompt
 MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4 (and at each tree's width)
 CALIBRATION_PROMPT = "The future of AI"
 CALIBRATION_TOKENS = 24
+ROUNDS = "a tree's drafting: its median round"  # how rounds are timed (part of the stored costs' key)
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 
@@ -173,25 +174,29 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
                  sampled: bool = False) -> tuple[float, float]:
     """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2; for a
     tree `shape`, (draft ms per round, bookkeeping ms per round), from a decode at temperature 1 where
-    `sampled`; drafter "" is plain decoding (draft 0). A tree's decode is shorter: what is kept from it
-    (drafting and bookkeeping) is a small part of its time, the rest verify forwards timed by forward_ms."""
+    `sampled`; drafter "" is plain decoding (draft 0). A tree's drafting is its median round: a
+    calibration decode has a dozen rounds, and one slow round (the VM's noise) moved a mean enough to
+    reorder shapes whose rounds differ by a head step."""
     tree = shape[1] > 1
     settings = Settings(gamma=shape[0], branch=shape[1], nodes=shape[2], drafter=drafter or "model",
-                        max_new_tokens=CALIBRATION_TOKENS // 2 if tree else CALIBRATION_TOKENS, record_top=0,
-                        compile=compiled, temperature=1.0 if sampled else 0.0)
+                        max_new_tokens=CALIBRATION_TOKENS, record_top=0, compile=compiled,
+                        temperature=1.0 if sampled else 0.0)
     mode = "speculative" if drafter else "baseline"
     generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
     run = generate(pair, CALIBRATION_PROMPT, settings, mode=mode)
     events = run.events[1:] if mode == "baseline" else run.events  # a baseline's first step is the prefill's
-    drafted = sum(e.gamma for e in events) if shape[1] == 1 else len(events)
-    draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
+    drafted = sum(e.gamma for e in events)
+    if tree:
+        draft = median(e.draft_ms for e in events) if events else 0.0
+    else:
+        draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
     spent = run.events[-1].elapsed_ms - run.meta.prefill_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
     return draft, max(spent, 0.0) / max(len(run.events), 1)
 
 
 def _file(pair: ModelPair, compiled: bool) -> Path:
     facts = json.dumps([kernels.machine(), kernels.registry(), str(pair.dtype), pair.target_name, pair.draft_name,
-                        pair.head_name, compiled], sort_keys=True)
+                        pair.head_name, compiled, ROUNDS], sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 
 
