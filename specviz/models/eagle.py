@@ -90,10 +90,11 @@ def _rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.T
 
 
 @functools.lru_cache(maxsize=4)
-def _rope_table(head_dim: int, theta: float, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_rope of positions 0..length-1, [length, head_dim] each: a drafting step looks its positions up
-    (the same numbers, in 2 operations instead of 9)."""
-    return _rope(torch.arange(length, device=device), head_dim, theta)
+def _rope_table(head_dim: int, theta: float, length: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """_rope of positions 0..length-1 in the model's dtype, [length, head_dim] each: a drafting step looks
+    its positions up (the same numbers as _rope's cast, in 2 operations instead of 11)."""
+    return tuple(t.to(dtype) for t in _rope(torch.arange(length, device=device), head_dim, theta))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -247,7 +248,7 @@ class EagleHead(nn.Module):
 
         Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N]."""
         lin, c = self._linears(lean), self.config
-        cos, sin = _rope_table(c.head_dim, c.rope_theta, cache.keys.shape[1], positions.device)
+        cos, sin = _rope_table(c.head_dim, c.rope_theta, cache.keys.shape[1], positions.device, cache.keys.dtype)
         x, q, k, v = self._qkv(tokens, g, cos[positions], sin[positions], lin)
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
         cache.keys[rows, slots] = k.transpose(1, 2)  # [B, t, kv, hd] into [B, C, kv, hd]
