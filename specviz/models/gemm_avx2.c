@@ -191,7 +191,8 @@ KERNEL512 void specviz_gemm512_bf16(const float *x, const uint16_t *w, const flo
    per column and adds both products to the float32 sum, twice the products per instruction of the FMA
    kernels. The weights are packed as [ceil(n / 64)][k / 2][64][2]: per group of 64 columns and pair of k,
    the columns' two weights side by side, as the instruction reads them (16 columns a register), so a pass
-   streams one group as one run of memory. Sums are float32; y gets them (+ bias) rounded to bfloat16. A row's two inputs at a pair are broadcast as one 32-bit value.
+   streams one group as one run of memory. A row's two inputs at a pair are broadcast as one 32-bit value.
+   The sums are float32; y gets them (+ bias) rounded to bfloat16.
    A pass takes a group and up to 6 rows: 4 sums a row, independent, so the instruction's latency is hidden
    even for one row (with one 16-column block a pass, one row left each sum waiting on the last), 24 sums,
    4 weight vectors and a broadcast: 29 of the 32 registers. Each output is the same chain of pair steps

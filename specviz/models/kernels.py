@@ -5,7 +5,8 @@ head in float32 is fastest through oneDNN's packed weights on one, through MKL's
 through plain `F.linear` at 2-3 rows on a third; bf16 packing raises where the CPU lacks bf16
 instructions. So nothing here is fixed from one machine's timings: the first time a model is
 loaded, every linear shape is timed on each path this CPU can run, at the row counts the decoder
-uses (ROWS: one-token steps, verify and draft widths), candidates interleaved, medians compared.
+uses (ROWS: one-token steps, verify and draft widths), candidates interleaved, medians compared, the
+caches evicted before each sweep so the weights come from memory, as they do in a decode.
 The fastest path per (shape, rows) goes into a table in the specviz cache folder, keyed by the
 machine (CPU model, instruction sets, capped ones too, threads, torch version) and dtype; a later
 start reads it. A path the CPU cannot run, or that gives wrong numbers, is skipped and the reason
