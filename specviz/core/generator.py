@@ -501,14 +501,14 @@ def decode(
         p_all = logits_to_probs(verify.logits, params)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
         ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
         best = p_all.argmax(-1) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the rule's test
+        bests = [None if best is None else best[i, : g + 1] for i, g in enumerate(drafted)]
         shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
                  for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
         # one read for the whole round: every row's values for the rule, then the values the page shows
-        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy,
-                             None if best is None else best[i, : g + 1])
-                  for i, (r, g, prop) in enumerate(zip(active, drafted, proposals, strict=True))]
-        wanted += [_shown_reads(prop, *show, None if best is None else best[i, : g + 1])
-                   for i, (g, prop, show) in enumerate(zip(drafted, proposals, shows, strict=True))]
+        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy, bests[i])
+                  for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
+        wanted += [_shown_reads(prop, *show, bests[i])
+                   for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
         host = _read_together(wanted)
         verdicts = [accept_or_resample(ps[i], prop.q, prop.tokens, generators[r], params.greedy, prop.parents,
                                        host[i])

@@ -91,13 +91,20 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def _padded(weight: torch.Tensor, columns: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """weight [N, K] zero-padded to [a multiple of `columns`, k] in dtype (raises first where the kernel
+    cannot run here, so the path is skipped before any model uses it)."""
+    library()
+    n, k_in = weight.shape
+    padded = torch.zeros(-(-n // columns) * columns, k, dtype=dtype)
+    padded[:n, :k_in] = weight.detach()
+    return padded
+
+
 def pack(weight: torch.Tensor, as_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """weight [N, K] -> [ceil(N / 16), K, 16] in as_dtype (float32 or bfloat16), zero-padded columns."""
-    library()  # unavailable here: raise now, so the path is skipped before any model uses it
-    n, k = weight.shape
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=as_dtype)
-    padded[:n] = weight.detach()
-    return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+    k = weight.shape[1]
+    return _padded(weight, BLOCK, k, as_dtype).view(-1, BLOCK, k).transpose(1, 2).contiguous()
 
 
 def wide() -> None:
@@ -131,11 +138,8 @@ def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight [N, K] -> [ceil(N / 64), ceil(K / 2), 64, 2]: per group of 64 columns and pair of k,
     each column's two weights side by side (zero-padded), as VDPBF16PS reads them, 16 columns a register."""
-    library()
-    n, k = weight.shape
-    padded = torch.zeros(-(-n // PAIR_GROUP) * PAIR_GROUP, k + k % 2, dtype=torch.bfloat16)
-    padded[:n, :k] = weight.detach()
-    return padded.view(-1, PAIR_GROUP, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+    k = weight.shape[1] + weight.shape[1] % 2
+    return _padded(weight, PAIR_GROUP, k, torch.bfloat16).view(-1, PAIR_GROUP, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def run_pairs(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

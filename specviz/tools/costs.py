@@ -185,10 +185,10 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
     generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
     run = generate(pair, CALIBRATION_PROMPT, settings, mode=mode)
     events = run.events[1:] if mode == "baseline" else run.events  # a baseline's first step is the prefill's
-    drafted = sum(e.gamma for e in events)
     if tree:
         draft = median(e.draft_ms for e in events) if events else 0.0
     else:
+        drafted = sum(e.gamma for e in events)
         draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
     spent = run.events[-1].elapsed_ms - run.meta.prefill_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
     return draft, max(spent, 0.0) / max(len(run.events), 1)
