@@ -2,6 +2,7 @@
 every CPU-dependent path forced on this CPU (instruction-set caps, packing made to fail)."""
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -55,15 +56,21 @@ def test_the_table_is_measured_once_stored_and_read_back(fresh_tables):
 def test_every_timed_sweep_reads_its_weights_from_memory(monkeypatch):
     """The caches are evicted before each sweep (warm-up and repeats, every path and row count), so a cell
     times what a decode pays: weights streamed from memory, not the few of one shape left in cache. The
-    eviction reads at least twice the largest cache, and how cells are timed keys the table."""
-    log = []
+    eviction reads at least twice the largest cache, and how cells are timed keys the table. Products are
+    bound once per weight and row count, as a decode binds them, not in the timed sweeps."""
+    log, binds = [], []
     monkeypatch.setattr(kernels, "_evict", lambda: log.append("evict"))
+
+    def bind(packed, w, b, rows, name):
+        binds.append((name, rows))
+        return lambda x: log.append(name) or x @ w.T
+
     paths = [kernels.KernelPath(name, (torch.float32,), False, lambda w, rows: None,
-                                lambda x, packed, w, b, rows, name=name: log.append(name) or x @ w.T)
-             for name in ("one", "other")]
+                                functools.partial(bind, name=name)) for name in ("one", "other")]
     weights = [torch.randn(8, 4) for _ in range(3)]
     times = kernels._time_cells(weights, paths, (1, 2))
     assert set(times) == {"1", "2"} and set(times["1"]) == {"one", "other"}
+    assert sorted(binds) == sorted((name, rows) for name in ("one", "other") for rows in (1, 2) for _ in weights)
     sweeps = " ".join(log).split("evict")[1:]
     assert log[0] == "evict" and len(sweeps) >= 2 * 2 * (1 + kernels.MIN_REPEATS)
     assert all(s.split() in (["one"] * 3, ["other"] * 3) for s in sweeps)  # one path's 3 weights per sweep
@@ -121,7 +128,7 @@ def test_packing_unavailable_skips_the_path_and_decodes_the_same(pattern_pair, f
 
     for name in [n for n in kernels.PATHS if n != "linear"]:
         monkeypatch.setitem(kernels.PATHS, name, kernels.KernelPath(name, kernels.PATHS[name].dtypes, False, broken,
-                                                                    kernels.PATHS[name].run))
+                                                                    kernels.PATHS[name].bind))
     kernels._TABLES.clear()
     try:
         lean = _relinked(pair)
@@ -346,8 +353,8 @@ def test_a_lossy_path_drafts_only_and_the_output_stays_exact(eagle_pair, fresh_t
     x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1.0], [30.0], [1e-3], [1], [1]])
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     packed = kernels._int8_pack(w, 1)
-    together = kernels._int8(x, packed, w, None, 5)
-    assert torch.equal(together[2:3], kernels._int8(x[2:3], packed, w, None, 1))  # a row alone: the same bits
+    together = kernels.PATHS["int8"].run(x, packed, w, None, 5)
+    assert torch.equal(together[2:3], kernels.PATHS["int8"].run(x[2:3], packed, w, None, 1))  # alone: the same bits
     assert ((together - x @ w.T).norm(dim=-1) / (x @ w.T).norm(dim=-1)).max() < 0.03  # close, not equal
 
     pair = eagle_pair("llama")
@@ -386,17 +393,18 @@ def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables, wei
     x = torch.randn(13, 70, generator=gen)
     packed = native.pack(w, weights)
     assert packed.shape == (3, 70, 16) and packed.dtype == weights and not packed[2, :, 5:].any()
-    alone = torch.cat([native.run(x[i:i + 1], packed, w, b, 1) for i in range(13)])
+    product = native.bind(packed, w, b)
+    alone = torch.cat([product(x[i:i + 1]) for i in range(13)])
     rounded = w.to(weights).double()  # what the kernel multiplies by
     torch.testing.assert_close(alone.double(), x.double() @ rounded.T + b.double(), rtol=1e-5, atol=1e-5)
     if weights == torch.bfloat16:  # and it is not the float32 product: the test would see a lost rounding
         assert (alone.double() - (x.double() @ w.double().T + b.double())).abs().max() > 1e-3
     for rows in range(2, 14):
-        together = native.run(x[:rows].view(1, rows, 70), packed, w, b, rows)
+        together = product(x[:rows].view(1, rows, 70))
         assert together.shape == (1, rows, 37) and torch.equal(together[0], alone[:rows]), rows
     if "avx512" not in kernels.unavailable(torch.float32):  # the same chains of FMAs in wider registers
         for rows in (1, 3, 6, 7, 12, 13):
-            assert torch.equal(native.run(x[:rows], packed, w, b, rows, avx512=True), alone[:rows]), rows
+            assert torch.equal(native.bind(packed, w, b, avx512=True)(x[:rows]), alone[:rows]), rows
 
 
 def test_the_pair_kernel_multiplies_bfloat16_and_each_row_alone(fresh_tables):
@@ -413,12 +421,13 @@ def test_the_pair_kernel_multiplies_bfloat16_and_each_row_alone(fresh_tables):
     x = torch.randn(25, 71, generator=gen).bfloat16()
     packed = native.pack_pairs(w)  # 2 groups of 64 columns, the second 37 real ones, and 36 pairs of k
     assert packed.shape == (2, 36, 64, 2) and not packed[1, :, 37:].any() and not packed[:, 35, :, 1].any()
-    alone = torch.cat([native.run_pairs(x[i:i + 1], packed, w, b) for i in range(25)])
+    product = native.bind_pairs(packed, w, b)
+    alone = torch.cat([product(x[i:i + 1]) for i in range(25)])
     exact = x.double() @ w.double().T + b.double()
     assert alone.dtype == torch.bfloat16
     torch.testing.assert_close(alone.double(), exact, rtol=8e-3, atol=8e-3)
     for rows in range(2, 26):
-        together = native.run_pairs(x[:rows].view(1, rows, 71), packed, w, b)
+        together = product(x[:rows].view(1, rows, 71))
         assert together.shape == (1, rows, 101) and torch.equal(together[0], alone[:rows]), rows
 
 

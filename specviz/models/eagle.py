@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from .leanllama import Linear
+from .leanllama import Linear, attend
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -255,9 +255,7 @@ class EagleHead(nn.Module):
         cache.values[rows, slots] = v.transpose(1, 2)
         # [B, t, C]: entries are contiguous from 0
         mask = cache.slot_index <= positions[..., None] if visible is None else visible
-        attended = F.scaled_dot_product_attention(
-            q, cache.keys.transpose(1, 2), cache.values.transpose(1, 2), attn_mask=mask[:, None],
-            enable_gqa=c.heads != c.kv_heads)
+        attended = attend(q, cache.keys.transpose(1, 2), cache.values.transpose(1, 2), mask[:, None])
         h = self._finish(x, attended, lin)
         return h, self.logits(h, lean)
 

@@ -48,7 +48,7 @@ ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wi
 CELL_BUDGET_S = 0.025  # seconds per (shape, rows, path), evictions included; at least MIN_REPEATS repeats
 MIN_REPEATS, MAX_REPEATS = 5, 40
 WEIGHTS_PER_SHAPE = 4  # distinct weights swept per timing
-TIMING = "cold: the caches evicted before each sweep"  # how cells are timed (part of the table's key)
+TIMING = "cold: the caches evicted before each sweep; products bound"  # how cells are timed (part of the table's key)
 ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
              "avx_ne_convert")
 log = logging.getLogger("specviz")
@@ -61,17 +61,24 @@ class KernelPath:
     dtypes: tuple[torch.dtype, ...]
     per_rows: bool  # the packing depends on the row count: one packed copy per row count used
     pack: Callable[[torch.Tensor, int], torch.Tensor | None]  # (weight [N, K], rows) -> packed; raises if unsupported
-    run: Callable[..., torch.Tensor]  # (x [..., K], packed, weight, bias, rows) -> [..., N]
+    # (packed, weight, bias, rows) -> the product x [..., K] -> [..., N] with all that does not depend on x fixed
+    # once: a decode calls it a hundred times a step, so what it does per call is per-call overhead
+    bind: Callable[..., Callable[[torch.Tensor], torch.Tensor]]
     about: str = ""
     lossy: bool = False  # other numbers than F.linear's beyond rounding: for drafters only
 
+    def run(self, x: torch.Tensor, packed, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """One product, bound for it alone (a compiled graph's opaque call; checks)."""
+        return self.bind(packed, weight, bias, rows)(x)
 
-def _plain(x, packed, weight, bias, rows):
-    return F.linear(x, weight, bias)
+
+def _plain(packed, weight, bias, rows):
+    return functools.partial(F.linear, weight=weight, bias=bias)
 
 
-def _onednn(x, packed, weight, bias, rows):
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _onednn(packed, weight, bias, rows):
+    linear = torch.ops.mkldnn._linear_pointwise
+    return lambda x: linear(x, packed, bias, "none", [], "")
 
 
 def _onednn_pack(batch_hint: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -81,22 +88,22 @@ def _onednn_pack(batch_hint: int) -> Callable[[torch.Tensor, int], torch.Tensor]
     return lambda w, rows: torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
 
-def _mkl(x, packed, weight, bias, rows):
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+def _mkl(packed, weight, bias, rows):
+    linear = torch.ops.mkl._mkl_linear
+    return lambda x: linear(x, packed, weight, bias, rows)
 
 
 def _avx2_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return native.pack(weight, torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32)
 
 
-def _native(avx512: bool) -> Callable[..., torch.Tensor]:
-    def run(x, packed, weight, bias, rows):
+def _native(avx512: bool) -> Callable[..., Callable[[torch.Tensor], torch.Tensor]]:
+    def bind(packed, weight, bias, rows):
         """A bfloat16 model's product in float32 (the weights widened exactly, the sums float32 as in any
         bf16 kernel), rounded back to bfloat16; a float32 model's as it is."""
-        if x.dtype == torch.float32:
-            return native.run(x, packed, weight, bias, rows, avx512)
-        return native.run(x.float(), packed, weight, None if bias is None else bias.float(), rows, avx512).to(x.dtype)
-    return run
+        product = native.bind(packed, weight, bias, avx512)
+        return product if weight.dtype == torch.float32 else lambda x: product(x.float()).to(x.dtype)
+    return bind
 
 
 def _avx512_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -111,8 +118,8 @@ def _pairs_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return native.pack_pairs(weight)
 
 
-def _pairs(x, packed, weight, bias, rows):
-    return native.run_pairs(x, packed, weight, bias)
+def _pairs(packed, weight, bias, rows):
+    return native.bind_pairs(packed, weight, bias)
 
 
 def _int8_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -127,7 +134,11 @@ def _int8_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.ops.quantized.linear_prepack(q, None)
 
 
-def _int8(x, packed, weight, bias, rows):
+def _int8(packed, weight, bias, rows):
+    return functools.partial(_int8_product, packed=packed, bias=bias)
+
+
+def _int8_product(x, packed, bias):
     """Each row scaled to max |x| = 1 and quantized with one range for all, [-1, 1], pinned by an extra
     row (the engine takes its range from the whole input): so a row's result never depends on the rows
     beside it, and a batch row drafts what it drafts alone. 7-bit activations (reduce_range), which CPUs
@@ -352,18 +363,21 @@ def _evict() -> None:
 
 
 def _time_cells(weights: list[torch.Tensor], paths: list[KernelPath], rows_list: Iterable[int]) -> dict:
-    """rows -> path -> ms per call, the weights read from memory; paths interleaved within each repeat, medians."""
+    """rows -> path -> ms per call, the weights read from memory, the products bound as a decode binds them;
+    paths interleaved within each repeat, medians."""
     out: dict[str, dict[str, float]] = {}
     once = {p.name: [p.pack(w, 1) for w in weights] for p in paths if not p.per_rows}
     for rows in rows_list:
         x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
-        packs = {p.name: once.get(p.name) or [p.pack(w, rows) for w in weights] for p in paths}
+        products = {p.name: [p.bind(packed, w, None, rows) for w, packed in
+                             zip(weights, once.get(p.name) or [p.pack(w, rows) for w in weights], strict=True)]
+                    for p in paths}
 
-        def sweep(p: KernelPath, x=x, packs=packs, rows=rows) -> float:
+        def sweep(p: KernelPath, x=x, products=products) -> float:
             _evict()
             start = time.perf_counter()
-            for w, packed in zip(weights, packs[p.name], strict=True):
-                p.run(x, packed, w, None, rows)
+            for product in products[p.name]:
+                product(x)
             return (time.perf_counter() - start) / len(weights)
 
         started = time.perf_counter()

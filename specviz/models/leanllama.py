@@ -31,6 +31,7 @@ import platform
 import shutil
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,6 +92,7 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.paths: dict[int, str] = {}  # rows -> path name, filled on first use of a row count
         self.packs: dict[tuple[str, int], torch.Tensor] = {}  # (path, rows or 0) -> packed weight
+        self.products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # rows -> the bound product
 
     def path(self, rows: int) -> tuple[str, torch.Tensor | None]:
         """(path, packed weight) for a product of `rows` rows; packs on first use (not while compiling:
@@ -115,29 +117,27 @@ class Linear(nn.Module):
         if not packed:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[:-1].numel()
-        name, weight_packed = self.path(rows)
-        if name == "linear":
-            return F.linear(x, self.weight, self.bias)
-        linear = packed_linear if torch.compiler.is_compiling() else _packed_linear  # see packed_linear
-        return linear(x, weight_packed, self.weight, self.bias, name, rows)
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   path: str, rows: int) -> torch.Tensor:
-    """x W^T + b through the weight packed for `path`."""
-    return kernels.PATHS[path].run(x, packed, weight, bias, rows)
+        if torch.compiler.is_compiling():
+            name, weight_packed = self.path(rows)
+            if name == "linear":
+                return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, weight_packed, self.weight, self.bias, name, rows)
+        product = self.products.get(rows)
+        if product is None:
+            name, weight_packed = self.path(rows)
+            product = self.products[rows] = kernels.PATHS[name].bind(weight_packed, self.weight, self.bias, rows)
+        return product(x)
 
 
 @torch.library.custom_op("specviz::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   path: str, rows: int) -> torch.Tensor:
-    """The same, as one opaque operator for compiled graphs: inductor can only lower oneDNN's
-    packed linear with its own packing, which needs frozen weights, and graphs with frozen
-    weights are never cached on disk (they hold oneDNN tensors, which do not pickle), so every
-    start would compile again. With our packing as an opaque call the graph takes the weights
-    as inputs and is cached; in bf16 it still beats the eager step (BENCHMARKS.md, "Compiled
-    forwards")."""
-    return _packed_linear(x, packed, weight, bias, path, rows)
+    """x W^T + b through the weight packed for `path`, as one opaque operator for compiled graphs: inductor
+    can only lower oneDNN's packed linear with its own packing, which needs frozen weights, and graphs with
+    frozen weights are never cached on disk (they hold oneDNN tensors, which do not pickle), so every start
+    would compile again. With our packing as an opaque call the graph takes the weights as inputs and is
+    cached; in bf16 it still beats the eager step (BENCHMARKS.md, "Compiled forwards")."""
+    return kernels.PATHS[path].run(x, packed, weight, bias, rows)
 
 
 @packed_linear.register_fake
@@ -160,6 +160,24 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, -1)
     return torch.cat([-x2, x1], -1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q [B, H, t, D] over keys and values [B, KV, L, D] (query head h reads key head
+    h // (H / KV)), mask [B, 1, t, L] (True = may attend) -> [B, H, t, D].
+
+    A one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a key head as one
+    block of H / KV query rows: ATen's flash attention there is slow for a block of one row (over 400 keys,
+    9 query heads on 3 key heads: a quarter of the time grouped, CPU A) and the key heads are not repeated.
+    Bitwise the same numbers (checked). Wider forwards and float32 keep the call as it was: grouped, they
+    measured about the same there and their numbers would change in the last bits."""
+    batch, heads, t, dim = q.shape
+    rep = heads // k.shape[1]
+    if t > 1 or rep == 1 or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
+    grouped = q.reshape(batch, heads // rep, rep, dim)  # [B, KV, H / KV, D]: a key head's queries as rows
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask.expand(-1, -1, rep, -1))
+    return out.view(batch, heads, 1, dim)
 
 
 def _use_our_inductor_cache() -> None:
@@ -213,22 +231,20 @@ class LeanLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int, packed: bool) -> torch.Tensor:
-        """x: [B, t, C]; cos, sin: [B, 1, t, D]. Writes this layer's keys and values at `slots` and
+        """x: [B, t, C]; cos, sin: [B, t, 1, D]. Writes this layer's keys and values at `slots` and
         returns its output [B, t, C]."""
         batch, t = x.shape[:2]
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         h = _rms(x, self.norm1.weight, self.eps)
-        q, k, v = self.qkv(h, packed).split([H * D, KV * D, KV * D], -1)
-        q, k, v = q.view(batch, t, H, D), k.view(batch, t, KV, D), v.view(batch, t, KV, D)
+        qkv = self.qkv(h, packed).view(batch, t, H + 2 * KV, D)  # [B, t, heads of q, k and v, D]
+        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
         if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, t, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], 2)
+        qk = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)  # RoPE on q and k at once; [B, H + KV, t, D]
+        q, k, v = qk[:, :H], qk[:, H:], v.transpose(1, 2)
         k_cache.index_copy_(2, slots, k)
         v_cache.index_copy_(2, slots, v)
-        o = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
-                                           enable_gqa=H != KV)  # [B, H, t, D]
+        o = attend(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)  # [B, H, t, D]
         x = x + self.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
         h = _rms(x, self.norm2.weight, self.eps)
         gate, up = self.gate_up(h, packed).chunk(2, -1)
@@ -315,7 +331,7 @@ class LeanLlama(nn.Module):
         and, if asked, the last hidden state [B, t, C]."""
         x = self.embed(ids)  # [B, t, C]
         cos, sin = self.rotary(x, positions)  # [B, t, D]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, t, D], broadcast over heads
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
             x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)
         x = _rms(x, self.norm.weight, self.eps)

@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -115,24 +116,30 @@ def wide() -> None:
         raise RuntimeError(f"needs AVX-512 (ATen runs {capability} kernels here)")
 
 
-def run(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        rows: int, avx512: bool = False) -> torch.Tensor:
-    """x [..., K] @ weight.T + bias -> [..., N] in float32, through the packed blocks (float32 or bfloat16
-    weights; the sums are float32 either way), with 256-bit registers or, avx512, 512-bit ones (where
-    `wide()` said they run)."""
+def bind(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         avx512: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product x [..., K] @ weight.T + bias -> [..., N] in float32, through the packed blocks (float32 or
+    bfloat16 weights; the sums are float32 either way), with 256-bit registers or, avx512, 512-bit ones (where
+    `wide()` said they run). All that does not depend on x is looked up once, here."""
     n, k = weight.shape
-    flat = x.reshape(-1, k).contiguous()
-    if flat.dtype != torch.float32:
-        raise TypeError(f"the avx2 kernel multiplies float32, got {flat.dtype}")
-    y = torch.empty(flat.shape[0], n, dtype=torch.float32)
     lib = library()
     if avx512:
         entry = lib.specviz_gemm512_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm512
     else:
         entry = lib.specviz_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm
-    b = None if bias is None else bias.contiguous()  # held here while the kernel reads it
-    entry(flat.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), flat.shape[0], n, k)
-    return y.reshape(*x.shape[:-1], n)
+    b = None if bias is None else bias.float().contiguous()  # held by the product while the kernel reads it
+    at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, k).contiguous()
+        if flat.dtype != torch.float32:
+            raise TypeError(f"the avx2 kernel multiplies float32, got {flat.dtype}")
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+        entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, k)
+        return y
+
+    product.holds = packed, b
+    return product
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
@@ -142,16 +149,23 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return _padded(weight, PAIR_GROUP, k, torch.bfloat16).view(-1, PAIR_GROUP, k // 2, 2).transpose(1, 2).contiguous()
 
 
-def run_pairs(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight.T + bias -> [..., N] in bfloat16, x and the weights in bfloat16, the sums float32
-    (the caller has checked that this CPU has AVX512-BF16: the instruction would kill the process)."""
+def bind_pairs(packed: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product x [..., K] @ weight.T + bias -> [..., N] in bfloat16, x and the weights in bfloat16, the sums
+    float32 (the caller has checked that this CPU has AVX512-BF16: the instruction would kill the process)."""
     n, k = weight.shape
-    flat = x.reshape(-1, k)
-    if flat.dtype != torch.bfloat16:
-        raise TypeError(f"the pair kernel multiplies bfloat16, got {flat.dtype}")
-    flat = (torch.nn.functional.pad(flat, (0, 1)) if k % 2 else flat).contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    b = None if bias is None else bias.float().contiguous()  # held here while the kernel reads it
-    library().specviz_gemm_dot_bf16(flat.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(),
-                                    y.data_ptr(), flat.shape[0], n, packed.shape[1])
-    return y
+    entry, pairs = library().specviz_gemm_dot_bf16, packed.shape[1]
+    b = None if bias is None else bias.float().contiguous()  # held by the product while the kernel reads it
+    at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, k)
+        if flat.dtype != torch.bfloat16:
+            raise TypeError(f"the pair kernel multiplies bfloat16, got {flat.dtype}")
+        flat = (torch.nn.functional.pad(flat, (0, 1)) if k % 2 else flat).contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, pairs)
+        return y
+
+    product.holds = packed, b
+    return product
