@@ -124,12 +124,14 @@ def test_the_hosts_copy_of_the_mask_is_the_mask(random_pair, monkeypatch):
     assert len(checked) > 40 and 1 in checked and 3 in checked
 
 
+@pytest.mark.parametrize("lossy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t", [1, 3])
-def test_grouped_attention_is_the_attention(dtype, t):
-    """leanllama.attend (in a one-token step in bf16 on a CPU, the query heads of a key head as one block)
-    against float64 attention with every key head repeated: close, and bitwise what ATen's own
-    grouped-query call gives; masks with holes and two rows."""
+def test_grouped_attention_is_the_attention(dtype, t, lossy):
+    """leanllama.attend (in bf16 on a CPU, the query heads of a key head as one block: in a one-token step,
+    and at any width for a drafter) against float64 attention with every key head repeated: close, and
+    bitwise what ATen's own grouped-query call gives where a target's forward asks; masks with holes and
+    two rows."""
     from specviz.models.leanllama import attend
 
     gen = torch.Generator().manual_seed(0)
@@ -137,10 +139,11 @@ def test_grouped_attention_is_the_attention(dtype, t):
     k, v = (torch.randn(2, 2, 11, 16, generator=gen).to(dtype) for _ in range(2))
     mask = torch.rand(2, 1, t, 11, generator=gen) > 0.3
     mask[..., 0] = True  # no empty row
-    got = attend(q, k, v, mask)
+    got = attend(q, k, v, mask, lossy)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
                                                            v.double().repeat_interleave(3, 1), attn_mask=mask)
     assert got.shape == q.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
-    aten = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert torch.equal(got, aten)
+    if not lossy:
+        assert torch.equal(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                 enable_gqa=True))

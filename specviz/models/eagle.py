@@ -255,7 +255,7 @@ class EagleHead(nn.Module):
         cache.values[rows, slots] = v.transpose(1, 2)
         # [B, t, C]: entries are contiguous from 0
         mask = cache.slot_index <= positions[..., None] if visible is None else visible
-        attended = attend(q, cache.keys.transpose(1, 2), cache.values.transpose(1, 2), mask[:, None])
+        attended = attend(q, cache.keys.transpose(1, 2), cache.values.transpose(1, 2), mask[:, None], lossy=lean)
         h = self._finish(x, attended, lin)
         return h, self.logits(h, lean)
 

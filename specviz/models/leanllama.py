@@ -162,22 +162,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], -1)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, lossy: bool = False
+           ) -> torch.Tensor:
     """Attention of queries q [B, H, t, D] over keys and values [B, KV, L, D] (query head h reads key head
     h // (H / KV)), mask [B, 1, t, L] (True = may attend) -> [B, H, t, D].
 
     A one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a key head as one
     block of H / KV query rows: ATen's flash attention there is slow for a block of one row (over 400 keys,
     9 query heads on 3 key heads: a quarter of the time grouped, CPU A) and the key heads are not repeated.
-    Bitwise the same numbers (checked). Wider forwards and float32 keep the call as it was: grouped, they
-    measured about the same there and their numbers would change in the last bits."""
+    Bitwise the same numbers (checked). Wider forwards and float32 keep the call as it was: grouped, their
+    numbers would change in the last bits, and a target's measured about the same. `lossy`: a drafter's,
+    whose numbers only steer what it drafts, is grouped at any width (3 tokens over 300 keys: 0.6x)."""
     batch, heads, t, dim = q.shape
     rep = heads // k.shape[1]
-    if t > 1 or rep == 1 or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+    if (t > 1 and not lossy) or rep == 1 or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
-    grouped = q.reshape(batch, heads // rep, rep, dim)  # [B, KV, H / KV, D]: a key head's queries as rows
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask.expand(-1, -1, rep, -1))
-    return out.view(batch, heads, 1, dim)
+    # a key head's queries as rows: its query heads' t queries in turn, each with its query's mask row
+    grouped = q.reshape(batch, heads // rep, rep * t, dim)
+    mask = mask[:, :, None].expand(-1, -1, rep, -1, -1).reshape(batch, mask.shape[1], rep * t, mask.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+    return out.view(batch, heads, t, dim)
 
 
 def _use_our_inductor_cache() -> None:
