@@ -168,11 +168,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     h // (H / KV)), mask [B, 1, t, L] (True = may attend) -> [B, H, t, D].
 
     A one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a key head as one
-    block of H / KV query rows: ATen's flash attention there is slow for a block of one row (over 400 keys,
-    9 query heads on 3 key heads: a quarter of the time grouped, CPU A) and the key heads are not repeated.
-    Bitwise the same numbers (checked). Wider forwards and float32 keep the call as it was: grouped, their
-    numbers would change in the last bits, and a target's measured about the same. `lossy`: a drafter's,
-    whose numbers only steer what it drafts, is grouped at any width (3 tokens over 300 keys: 0.6x)."""
+    block of H / KV query rows: ATen's flash attention there is slow for a block of one row, the more so
+    the longer the context, and grouped the key heads are not repeated (BENCHMARKS.md, "CPU A, third
+    session"). Bitwise the same numbers (a test). Wider forwards and float32 keep the call as it was:
+    grouped, their last bits would change, and a target's measured about the same. `lossy`: a drafter's,
+    whose numbers only steer what it drafts, is grouped at any width."""
     batch, heads, t, dim = q.shape
     rep = heads // k.shape[1]
     if (t > 1 and not lossy) or rep == 1 or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
