@@ -431,6 +431,40 @@ def test_the_pair_kernel_multiplies_bfloat16_and_each_row_alone(fresh_tables):
         assert together.shape == (1, rows, 101) and torch.equal(together[0], alone[:rows]), rows
 
 
+def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
+    """leanllama.rms_norm on bfloat16 rows (one C call where the library runs) against transformers'
+    LlamaRMSNorm: the same roundings, so at most one bfloat16 step apart where the sum of squares, taken in
+    another order, lands on the other side of a rounding; rows of very different sizes, an odd width, a
+    batch. Where gradients flow, or the library does not run here, it is transformers' formula exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specviz.models import native
+    from specviz.models.leanllama import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(77, eps=1e-5)
+    norm.weight.data = (torch.rand(77, generator=gen) + 0.5)
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(2, 9, 77, generator=gen) * torch.logspace(-3, 3, 9)[:, None]).bfloat16()
+    with torch.inference_mode():
+        want = norm(x)
+        got = rms_norm(x, norm.weight, 1e-5)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
+        if native.runs_here():  # one call, not torch's operations (which would give transformers' bits exactly)
+            calls = []
+            monkeypatch.setattr(native, "rms_bf16", lambda *a: calls.append(a) or want)
+            rms_norm(x, norm.weight, 1e-5)
+            assert len(calls) == 1
+            monkeypatch.undo()
+        monkeypatch.setattr(native, "runs_here", lambda: False)
+        assert torch.equal(rms_norm(x, norm.weight, 1e-5), want)
+    monkeypatch.undo()
+    with torch.enable_grad():
+        assert torch.equal(rms_norm(x, norm.weight, 1e-5), norm(x))
+
+
 def test_our_kernel_is_skipped_without_a_compiler_and_built_once(fresh_tables, monkeypatch):
     """No C compiler: the path is skipped with the reason, and models take the others. With one, the
     library is compiled once into the cache folder and later loads find it there."""

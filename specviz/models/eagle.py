@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from .leanllama import Linear, attend
+from .leanllama import Linear, attend, rms_norm
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -77,7 +77,10 @@ class HeadConfig:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm, fused (the weight cast to x's dtype, as under autocast x may be bf16)."""
+    """RMSNorm, fused (the weight cast to x's dtype, as under autocast x may be bf16); drafting in bf16 on a
+    CPU, through the target's one C call (F.rms_norm runs eight operations there)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
+        return rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 
 

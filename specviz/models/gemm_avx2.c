@@ -270,3 +270,41 @@ __attribute__((TARGET_BF16)) void specviz_gemm_dot_bf16(const int32_t *x, const 
         }
     }
 }
+
+/* RMSNorm of bfloat16 rows as transformers' LlamaRMSNorm computes it (leanllama.rms_norm): a row widened
+   to float32, times 1 / sqrt(mean of its squares + eps), rounded to bfloat16, times the weight, rounded
+   again, each rounding to nearest even as torch rounds. Only the order of the sum of squares differs
+   from ATen's. A row after another, on the calling thread: a row is a few hundred numbers, less work
+   than starting threads costs, and eight ATen operations a row cost more than this call. */
+#include <string.h>
+
+static inline float from_bf16(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps)
+{
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *xr = x + (size_t)r * n;
+        uint16_t *yr = y + (size_t)r * n;
+        float sum = 0.0f;
+        for (int i = 0; i < n; i++)
+            sum += from_bf16(xr[i]) * from_bf16(xr[i]);
+        float scale = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(sum / (float)n + eps))); /* IEEE, as rsqrt */
+        for (int i = 0; i < n; i++)
+            yr[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * scale)));
+    }
+}

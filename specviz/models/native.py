@@ -89,7 +89,32 @@ def library() -> ctypes.CDLL:
                   lib.specviz_gemm_dot_bf16):  # x, w, b, y, m, n, and k (the pair kernel: k / 2)
         entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
         entry.restype = None
+    lib.specviz_rms_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]  # x, w, y, rows, n
+    lib.specviz_rms_bf16.restype = None
     return lib
+
+
+@functools.cache
+def runs_here() -> bool:
+    """Whether this process can load the library (an AVX2 CPU with a C compiler; asked once)."""
+    try:
+        library()
+    except Exception:  # noqa: BLE001 - no compiler, an older CPU, a failed build: the callers use torch
+        return False
+    return True
+
+
+def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of bfloat16 rows x [..., n] with a bfloat16 weight [n], as transformers computes it (in
+    float32, rounded to bfloat16 before the weight), in one call (gemm_avx2.c, specviz_rms_bf16)."""
+    n = x.shape[-1]
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.shape != (n,):
+        raise TypeError(f"rms_bf16 needs bfloat16 rows and a weight of {n}, got {x.dtype} and {weight.dtype} "
+                        f"{tuple(weight.shape)}")
+    flat, w = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(flat)
+    library().specviz_rms_bf16(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // n, n, eps)
+    return y
 
 
 def _padded(weight: torch.Tensor, columns: int, k: int, dtype: torch.dtype) -> torch.Tensor:
