@@ -131,8 +131,8 @@ def test_grouped_attention_is_the_attention(dtype, t, lossy):
     """leanllama.attend (in bf16 on a CPU, the query heads of a key head as one block: in a one-token step,
     and at any width for a drafter) against float64 attention with every key head repeated: close, and
     bitwise what ATen's own grouped-query call gives where a target's forward asks; masks with holes and
-    two rows."""
-    from specviz.models.leanllama import attend
+    two rows, boolean or made additive (as a forward does once for its layers) with the same bits."""
+    from specviz.models.leanllama import _additive, attend
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, t, 16, generator=gen).to(dtype)
@@ -140,6 +140,7 @@ def test_grouped_attention_is_the_attention(dtype, t, lossy):
     mask = torch.rand(2, 1, t, 11, generator=gen) > 0.3
     mask[..., 0] = True  # no empty row
     got = attend(q, k, v, mask, lossy)
+    assert torch.equal(attend(q, k, v, _additive(mask, dtype), lossy), got)  # the mask made once per forward
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
                                                            v.double().repeat_interleave(3, 1), attn_mask=mask)
     assert got.shape == q.shape and got.dtype == dtype

@@ -168,10 +168,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], -1)
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the additive one attention makes of it (0 or -inf), once per
+    forward instead of once per layer inside it: the same numbers (bitwise, checked)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, lossy: bool = False
            ) -> torch.Tensor:
     """Attention of queries q [B, H, t, D] over keys and values [B, KV, L, D] (query head h reads key head
-    h // (H / KV)), mask [B, 1, t, L] (True = may attend) -> [B, H, t, D].
+    h // (H / KV)), mask [B, 1, t, L] (boolean, True = may attend, or additive) -> [B, H, t, D].
 
     A one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a key head as one
     block of H / KV query rows: ATen's flash attention there is slow for a block of one row, the more so
@@ -340,6 +346,7 @@ class LeanLlama(nn.Module):
         spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only)
         and, if asked, the last hidden state [B, t, C]."""
         x = self.embed(ids)  # [B, t, C]
+        mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
