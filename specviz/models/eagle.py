@@ -38,7 +38,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from .leanllama import Linear, attend, rms_norm
+from . import native
+from .leanllama import Linear, attend, rms_in_c, rotate
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -79,8 +80,8 @@ class HeadConfig:
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm, fused (the weight cast to x's dtype, as under autocast x may be bf16); drafting in bf16 on a
     CPU, through the target's one C call (F.rms_norm runs eight operations there)."""
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
-        return rms_norm(x, weight, eps)
+    if rms_in_c(x):
+        return native.rms_bf16(x, weight.to(x.dtype), eps)
     return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 
 
@@ -98,11 +99,6 @@ def _rope_table(head_dim: int, theta: float, length: int, device: torch.device,
     """_rope of positions 0..length-1 in the model's dtype, [length, head_dim] each: a drafting step looks
     its positions up (the same numbers as _rope's cast, in 2 operations instead of 11)."""
     return tuple(t.to(dtype) for t in _rope(torch.arange(length, device=device), head_dim, theta))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class EagleHead(nn.Module):
@@ -177,7 +173,7 @@ class EagleHead(nn.Module):
         c = self.config
         x = lin["in_proj"](torch.cat([F.embedding(tokens, self.embed_weight), g], -1))  # [B, t, D]
         qkv = lin["qkv"](_rms(x, self.attn_norm, c.eps)).view(*x.shape[:2], -1, c.head_dim)  # [B, t, all heads, hd]
-        qk = _rotate(qkv[:, :, : c.heads + c.kv_heads], cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype))
+        qk = rotate(qkv[:, :, : c.heads + c.kv_heads], cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype))
         q, k, v = qk[:, :, : c.heads], qk[:, :, c.heads :], qkv[:, :, c.heads + c.kv_heads :]
         return x, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 

@@ -150,22 +150,28 @@ def _fused(*linears: nn.Linear) -> Linear:
     return Linear(torch.cat([lin.weight for lin in linears]), None if biases[0] is None else torch.cat(biases))
 
 
+def rms_in_c(x: torch.Tensor) -> bool:
+    """Whether an RMSNorm of x goes through one C call (native.rms_bf16: transformers' roundings, only the
+    sum of squares in another order): bfloat16 rows on a CPU, where eight small ATen operations cost more
+    than the norm's arithmetic; not while compiling (inductor fuses the operations itself), not where
+    gradients flow, and not where the library does not run."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and native.runs_here())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype. bfloat16 rows on a CPU
-    go through one C call (native.rms_bf16: the same roundings, only the sum of squares in another
-    order) where eight small ATen operations cost more than the norm's arithmetic; not while compiling
-    (inductor fuses the operations itself) and not where gradients flow."""
-    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and native.runs_here()):
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype (see rms_in_c)."""
+    if rms_in_c(x):
         return native.rms_bf16(x, weight.to(x.dtype), eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, Llama's rotate-half convention: x [..., D] with cos, sin broadcast to it."""
     x1, x2 = x.chunk(2, -1)
-    return torch.cat([-x2, x1], -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -256,7 +262,7 @@ class LeanLayer(nn.Module):
         qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
         if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], 2)
-        qk = (qk * cos + _rotate_half(qk) * sin).transpose(1, 2)  # RoPE on q and k at once; [B, H + KV, t, D]
+        qk = rotate(qk, cos, sin).transpose(1, 2)  # q and k at once; [B, H + KV, t, D]
         q, k, v = qk[:, :H], qk[:, H:], v.transpose(1, 2)
         k_cache.index_copy_(2, slots, k)
         v_cache.index_copy_(2, slots, v)
