@@ -104,6 +104,23 @@ def test_the_choice_is_the_fastest_at_the_nearest_timed_rows():
     assert lossy.best("8x8", 1) == "onednn" and lossy.best("8x8", 1, lossy=True) == "int8"  # int8: drafters only
 
 
+def test_a_drafters_weight_keeps_one_kind_of_numbers_at_every_row_count():
+    """Which lossy kind a drafter's weight takes is decided at the fewest rows: the same row then drafts
+    alike alone and in a batch (where its product has more rows); within the kind, the fastest path."""
+    times = {"1": {"linear": 3.0, "avx2-bf16": 1.0, "avx512-bf16": 1.5, "int8": 2.0},
+             "4": {"linear": 3.0, "avx2-bf16": 2.0, "avx512-bf16": 1.8, "int8": 1.0},
+             "16": {"linear": 3.0, "avx2-bf16": 2.5, "avx512-bf16": 2.6, "int8": 0.5}}
+    t = kernels.KernelTable({}, "float32", {"8x8": times})
+    assert [t.best("8x8", r, lossy=True) for r in (1, 3, 9, 40)] == ["avx2-bf16", "avx512-bf16", "avx2-bf16",
+                                                                      "avx2-bf16"]
+    assert [t.best("8x8", r) for r in (1, 9)] == ["linear", "linear"]  # the target: exact paths only
+    times["1"]["int8"] = 0.9  # int8 fastest for one row: int8 at every row count, even where it is slower
+    times["4"]["int8"] = 9.0
+    assert {t.best("8x8", r, lossy=True) for r in (1, 3, 9, 40)} == {"int8"}
+    times["1"]["linear"] = 0.1  # an exact path fastest for one row: exact paths only
+    assert {t.best("8x8", r, lossy=True) for r in (1, 3, 9)} == {"linear"}
+
+
 def test_a_machine_keys_its_own_table(monkeypatch):
     m = kernels.machine()
     other = {**m, "isa": [f for f in m["isa"] if f != "avx512_bf16"] + ["x"]}

@@ -19,7 +19,10 @@ Two paths are lossy: "int8" keeps weights as 8-bit integers per output row and q
 row to 8 bits at run time; "avx2-bf16" rounds float32 weights to bfloat16 (inputs and sums stay
 float32). They are chosen only for a drafter's products (`Linear(lossy=True)`, the EAGLE head's): a
 draft only proposes, the target's verify decides, and q is what the drafter drew from, so
-speculative decoding stays exact with any drafter; the target never takes a lossy path.
+speculative decoding stays exact with any drafter; the target never takes a lossy path. A drafter's
+weight keeps one kind of numbers (`numbers`: the exact paths', bfloat16 weights', int8's) at every row
+count, the kind fastest for one row, so a row drafts alike alone and in a batch (only the exact
+paths' summation order may differ).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class KernelPath:
     bind: Callable[..., Callable[[torch.Tensor], torch.Tensor]]
     about: str = ""
     lossy: bool = False  # other numbers than F.linear's beyond rounding: for drafters only
+    numbers: str = ""  # a lossy path's kind of numbers ("" the exact paths'): paths of one kind agree to rounding
 
     def run(self, x: torch.Tensor, packed, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         """One product, bound for it alone (a compiled graph's opaque call; checks)."""
@@ -169,11 +173,14 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
     KernelPath("avx512-dot", (torch.bfloat16,), False, _pairs_pack, _pairs,
                "specviz's kernel for bfloat16 models with AVX512-BF16: a pair of products per lane and instruction"),
     KernelPath("avx2-bf16", (torch.float32,), False, lambda w, rows: native.pack(w, torch.bfloat16), _native(False),
-               "the same kernel on weights rounded to bfloat16, half the bytes (drafters only)", lossy=True),
+               "the same kernel on weights rounded to bfloat16, half the bytes (drafters only)", lossy=True,
+               numbers="bfloat16 weights"),
     KernelPath("avx512-bf16", (torch.float32,), False, lambda w, rows: _avx512_pack(w.bfloat16(), rows),
-               _native(True), "the AVX-512 kernel on weights rounded to bfloat16 (drafters only)", lossy=True),
+               _native(True), "the AVX-512 kernel on weights rounded to bfloat16 (drafters only)", lossy=True,
+               numbers="bfloat16 weights"),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
-               "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True),
+               "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True,
+               numbers="int8"),
 ]}
 
 
@@ -256,17 +263,23 @@ class KernelTable:
     def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False) -> str:
         """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
         above it (above the largest, the largest's fastest that needs no copy per row count); a lossy
-        path only where `lossy` (a drafter's product)."""
+        path only where `lossy` (a drafter's product), and then of the kind of numbers fastest at the
+        fewest timed rows, whatever `rows` is."""
         by_rows = self.times.get(shape)
         if not by_rows:
             return "linear"
         timed = sorted(int(r) for r in by_rows)
-        at = next((r for r in timed if r >= rows), timed[-1])
-        ms = by_rows[str(at)]
-        fit = per_rows_ok and rows <= timed[-1]
-        candidates = {p: t for p, t in ms.items()
-                      if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)}
-        return min(candidates, key=candidates.get) if candidates else "linear"
+
+        def fastest(rows: int, numbers: str | None = None) -> str | None:
+            at = next((r for r in timed if r >= rows), timed[-1])
+            fit = per_rows_ok and rows <= timed[-1]
+            ms = {p: t for p, t in by_rows[str(at)].items()
+                  if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)
+                  and numbers in (None, PATHS[p].numbers)}
+            return min(ms, key=ms.get) if ms else None
+
+        kind = PATHS[fastest(timed[0]) or "linear"].numbers if lossy else None
+        return fastest(rows, kind) or fastest(rows) or "linear"
 
     def save(self) -> None:
         path = Path(self.file)
