@@ -1,4 +1,4 @@
-"""Command line: `python -m specviz generate | bench | kernels | distill | bench-render`."""
+"""Command line: `python -m specviz generate | bench | kernels | check | distill | bench-render`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from ..core.generator import (
     draft_width,
     drafter_name,
     generate,
+    machine_name,
     validate_prompt,
 )
 from ..core.kvcache import CACHE_KINDS
@@ -483,6 +484,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("check", help="run every way specviz decodes once on this device (cache kinds, compiled, "
+                                     "greedy and sampled, a batch, each drafter, chain and tree), each against an "
+                                     "oracle (specviz/tools/check.py)")
+    c.add_argument("--preset", choices=list(PRESETS), help="a model pair (default: offline)")
+    c.add_argument("--target", help="target model: hub id or local directory")
+    c.add_argument("--draft", help="draft model: hub id or local directory (same tokenizer)")
+    c.add_argument("--head", metavar="DIR", help="an EAGLE head for the target")
+    c.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
+    c.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16, float16 (float32 decides greedy exactness; in the others a "
+                        "near tie may part the texts, which is reported, not failed)")
+    c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also the compiled static cache (default: on a GPU; compiling takes minutes on a CPU)")
+    c.add_argument("--max-new-tokens", type=int, default=24)
+    c.add_argument("--only", default="", help="only the cases whose name contains this text")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from .check import check, report_line
+
+    Settings(max_new_tokens=args.max_new_tokens).validate()
+    preset = args.preset or (None if args.target or args.draft else "offline")
+    pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, head=args.head,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+    compiled = pair.device.type == "cuda" if args.compile is None else args.compile
+    cuda = f", torch {torch.__version__}, CUDA {torch.version.cuda}" if pair.device.type == "cuda" else ""
+    print(f"{machine_name(pair.device)}{cuda}; {str(pair.dtype).removeprefix('torch.')} "
+          f"({pair.dtype_reason or 'asked'}); {pair.target_name} with {pair.draft_name}"
+          + (f" and {pair.head_name}" if pair.head is not None else ""), flush=True)
+    outcomes = []
+    for outcome in check(pair, compiled, args.max_new_tokens, only=lambda c: args.only in c.name):
+        outcomes.append(outcome)
+        print(report_line(outcome), flush=True)
+        for said in outcome.warnings:
+            print(f"         warned: {said}", flush=True)
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "differs", "failed", "skipped")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no case matched --only")
+    if counts["differs"]:
+        print(f"differs: in {str(pair.dtype).removeprefix('torch.')} another batch shape or kernel rounds the same "
+              "logits apart, which moves near ties and sampled draws; --dtype float32 gives the exact verdict")
+    for o in outcomes:
+        if o.error:
+            print(f"\n{o.case.name}:\n{o.error}", file=sys.stderr)
+    return 1 if counts["failed"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specviz", description="Watch speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -491,12 +541,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_distill(sub)
     _add_bench(sub)
     _add_kernels(sub)
+    _add_check(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on stderr
     args.argv = argv
     commands = {"generate": cmd_generate, "bench-render": cmd_bench_render, "distill": cmd_distill,
-                "bench": cmd_bench, "kernels": cmd_kernels}
+                "bench": cmd_bench, "kernels": cmd_kernels, "check": cmd_check}
     try:
         return commands[args.command](args)
     except ValueError as err:

@@ -1,0 +1,188 @@
+"""`python -m specviz check`: every way specviz decodes, run once on this device, each against an oracle.
+
+Issue N: the CUDA path had never run. Instead of a page of commands to type on a lent GPU, one
+command runs the whole matrix there (or on any new machine): every cache kind, the compiled static
+cache where asked, greedy and sampled, one prompt and a batch, each drafter kind, a chain and a
+tree. Every case is judged by oracles that can fail:
+  - greedy: each prompt's speculative tokens equal plain decoding's with the same cache
+    (speculation changes the cost of the text, never the text; Leviathan et al. 2023);
+  - a batch: every row equals its prompt decoded alone with the same settings and seed;
+  - sampled: the first round's emitted distribution, in closed form from the real p and q, equals
+    the target's to float64 rounding (lossless.exact_check), and every recorded p, q, min(1, p/q)
+    lies in [0, 1].
+In float32 a greedy difference fails the case. In bfloat16 or float16 two computations of the same
+logits may round apart at a near tie, so there a difference is reported, not failed: the float32
+check gives the verdict. Each case also reports its host-device waits per round (tools/syncs.py:
+what a GPU round waits for; eager cases only) and the warnings it raised (a compiled forward
+falling back to eager, CUDA graphs recorded again). No timings here: `bench` measures.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..core.events import Run
+from ..core.generator import Settings, encode_prompts, generate, generate_batch
+from ..models.loading import ModelPair
+from ..view.rendering import first_difference
+from .lossless import exact_check
+from .prompts import BENCHMARK_PROMPTS
+from .syncs import SyncCounter
+
+# one prompt of three kinds: the edit repeats its input, so prompt lookup drafts there too
+PROMPTS = [BENCHMARK_PROMPTS["classic"][0], BENCHMARK_PROMPTS["code"][0], BENCHMARK_PROMPTS["edit"][1]]
+# (drafter, γ, branch, nodes): a draft model's chain, lookup then the head's chain, the head's tree
+SHAPES = [("model", 3, 1, 0), ("lookup+eagle", 2, 1, 0), ("eagle", 3, 2, 4)]
+EXACT = 1e-9  # the closed-form check's tolerance, max |emitted − p| in float64
+
+
+@dataclass(frozen=True)
+class Case:
+    drafter: str
+    gamma: int
+    branch: int
+    nodes: int
+    cache: str
+    compiled: bool
+    temperature: float
+
+    @property
+    def name(self) -> str:
+        shape = f"γ {self.gamma}" if self.branch == 1 else f"tree {self.gamma}x{self.branch}:{self.nodes}"
+        cache = self.cache + (" compiled" if self.compiled else "")
+        return f"{self.drafter} {shape}, {cache} cache, T={self.temperature:g}"
+
+    def settings(self, max_new_tokens: int) -> Settings:
+        return Settings(drafter=self.drafter, gamma=self.gamma, branch=self.branch, nodes=self.nodes,
+                        cache=self.cache, compile=self.compiled, temperature=self.temperature, seed=7,
+                        max_new_tokens=max_new_tokens)
+
+
+@dataclass
+class Outcome:
+    case: Case
+    status: str  # "ok" | "differs" (reduced precision, greedy) | "failed" | "skipped"
+    checks: list[str] = field(default_factory=list)  # what held, or what did not
+    waits_per_round: float | None = None
+    warnings: list[str] = field(default_factory=list)
+    error: str = ""  # a traceback, when the case raised
+
+
+def cases(pair: ModelPair, compiled: bool) -> list[Case]:
+    """The matrix: cache kinds (and the compiled static cache), drafter shapes, greedy and sampled."""
+    caches = [("static", False), ("dynamic", False), ("none", False)] + ([("static", True)] if compiled else [])
+    return [Case(d, g, b, n, cache, comp, t) for cache, comp in caches for d, g, b, n in SHAPES for t in (0.0, 1.0)]
+
+
+class _Caught(logging.Handler):
+    """Warnings logged while a case runs (specviz's and torch's), in order, each once."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage().strip().splitlines()[0][:200]
+        if text not in self.seen:
+            self.seen.append(text)
+
+
+def _in_range(run: Run) -> bool:
+    """Every recorded probability of the run is a number in [0, 1]."""
+    values = [v for e in run.events for t in e.drafted for v in (t.p, t.q, t.accept_prob)]
+    values += [e.extra.p for e in run.events if e.extra]
+    return all(0.0 <= v <= 1.0 for v in values if not math.isnan(v)) and not any(map(math.isnan, values))
+
+
+def judge(case: Case, exact: bool, singles: list[Run], batch: list[Run], plain: list[Run] | None,
+          exact_diff: float | None) -> tuple[str, list[str]]:
+    """(status, checks) of one case from its runs: `exact` where greedy text must equal plain decoding's."""
+    failed, differs, checks = False, False, []
+    if plain is not None:  # greedy
+        parts = [first_difference(s.token_ids, p.token_ids) for s, p in zip(singles, plain, strict=True)]
+        apart = [at for at in parts if at is not None]
+        same = len(parts) - len(apart)
+        checks.append(f"greedy = plain decoding {same}/{len(parts)}"
+                      + (f" (first difference at token {min(apart)})" if apart else ""))
+        failed |= exact and same < len(parts)
+        differs |= same < len(parts)
+    rows = sum(b.token_ids == s.token_ids for b, s in zip(batch, singles, strict=True))
+    checks.append(f"batch rows = alone {rows}/{len(batch)}")
+    if exact:
+        failed |= rows < len(batch)
+    else:
+        differs |= rows < len(batch)
+    if exact_diff is not None:
+        checks.append(f"first round exact: max|emitted−p| {exact_diff:.1e}")
+        failed |= not exact_diff <= EXACT
+    ranged = all(_in_range(r) for r in singles + batch)
+    if not ranged:
+        checks.append("a p, q or min(1, p/q) outside [0, 1]")
+    failed |= not ranged
+    if not any(r.n_tokens for r in singles):
+        checks.append("no tokens")
+        failed = True
+    return ("failed" if failed else "differs" if differs else "ok"), checks
+
+
+def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: int,
+             plain: Callable[[Case], list[Run]]) -> Outcome:
+    """One case: each prompt alone, then all as a batch, then the oracles; never raises."""
+    settings = case.settings(max_new_tokens)
+    try:
+        encode_prompts(pair, prompts, settings)  # validation before any model work: a refusal is a skip
+    except ValueError as err:
+        return Outcome(case, "skipped", [str(err)])
+    caught = _Caught()
+    logging.getLogger().addHandler(caught)
+    try:
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            counter = SyncCounter()
+            with counter if not case.compiled else nullcontext():
+                first = generate(pair, prompts[0], settings)
+            singles = [first] + [generate(pair, p, settings) for p in prompts[1:]]
+            batch = generate_batch(pair, prompts, settings)
+            greedy = case.temperature == 0
+            diff = None if greedy else exact_check(pair, prompts[0], replace(settings, compile=False)).max_diff
+            status, checks = judge(case, pair.dtype == torch.float32, singles, batch,
+                                   plain(case) if greedy else None, diff)
+        found = caught.seen + [str(w.message).splitlines()[0][:200] for w in raised]
+        waits = None if case.compiled else counter.total / max(1, len(first.events))
+        return Outcome(case, status, checks, waits, list(dict.fromkeys(found)))
+    except Exception as err:  # noqa: BLE001 - a case that raises is a finding, and the others still run
+        return Outcome(case, "failed", [f"{type(err).__name__}: {err}".splitlines()[0][:300]],
+                       error=traceback.format_exc())
+    finally:
+        logging.getLogger().removeHandler(caught)
+
+
+def check(pair: ModelPair, compiled: bool, max_new_tokens: int = 24, prompts: list[str] | None = None,
+          only: Callable[[Case], bool] | None = None) -> Iterator[Outcome]:
+    """Every case of the matrix on `pair`, an Outcome each as it finishes."""
+    prompts = prompts or PROMPTS
+    plain_runs: dict[tuple[str, bool], list[Run]] = {}
+
+    def plain(case: Case) -> list[Run]:  # plain decoding with the case's cache, once per cache
+        key = (case.cache, case.compiled)
+        if key not in plain_runs:
+            settings = Settings(cache=case.cache, compile=case.compiled, max_new_tokens=max_new_tokens)
+            plain_runs[key] = [generate(pair, p, settings, mode="baseline") for p in prompts]
+        return plain_runs[key]
+
+    for case in cases(pair, compiled):
+        if only is None or only(case):
+            yield run_case(pair, case, prompts, max_new_tokens, plain)
+
+
+def report_line(o: Outcome) -> str:
+    waits = "" if o.waits_per_round is None else f"; {o.waits_per_round:.1f} waits/round"
+    return f"{o.status:8s} {o.case.name}: {'; '.join(o.checks)}{waits}"

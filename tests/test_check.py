@@ -1,0 +1,82 @@
+"""`python -m specviz check`: the matrix runs, its oracles can fail, and a failing case fails the command."""
+
+import copy
+import math
+
+import pytest
+from conftest import words
+
+from specviz.core.generator import Settings, generate
+from specviz.tools import check
+from specviz.tools.cli import main
+
+PROMPTS = ["w2 w3 w4", "w10 w11", "w20 w21 w22 w20 w21"]  # the last repeats itself: prompt lookup copies
+
+
+@pytest.mark.slow
+def test_every_case_runs_and_holds_on_saved_models(pattern_dirs, eagle_dirs, monkeypatch, capsys):
+    """Loaded from disk as a user's models are: every cache kind, drafter shape and temperature, each ok
+    in float32 (greedy = plain decoding, batch rows = alone, the first round exact)."""
+    target, draft = pattern_dirs("llama")
+    monkeypatch.setattr(check, "PROMPTS", PROMPTS)
+    code = main(["check", "--target", str(target), "--draft", str(draft), "--head", str(eagle_dirs("llama")[1]),
+                 "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "10"])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.split(" ", 1)[0] in ("ok", "differs", "failed", "skipped")]
+    assert code == 0, out
+    assert len(lines) == 18 and all(line.startswith("ok ") for line in lines), out
+    for part in ("static cache", "dynamic cache", "none cache", "model γ 3", "lookup+eagle γ 2", "tree 3x2:4",
+                 "T=0", "T=1", "greedy = plain decoding 3/3", "batch rows = alone 3/3", "waits/round"):
+        assert part in out, part
+    assert "18 ok" in out.splitlines()[-1]
+    assert all(float(x.split("max|emitted−p| ")[1].split(";")[0]) <= check.EXACT
+               for x in lines if "max|emitted" in x)
+
+
+def test_a_pair_without_a_head_skips_the_head_drafters_before_any_model_work(pattern_pair):
+    outcomes = list(check.check(pattern_pair("llama"), compiled=False, max_new_tokens=6, prompts=PROMPTS))
+    by_status = {s: [o for o in outcomes if o.status == s] for s in ("ok", "skipped")}
+    assert len(by_status["ok"]) == 6 and {o.case.drafter for o in by_status["ok"]} == {"model"}
+    assert len(by_status["skipped"]) == 12 and all("needs a head" in o.checks[0] for o in by_status["skipped"])
+
+
+def test_a_case_that_raises_fails_the_command_and_the_others_still_run(pattern_dirs, monkeypatch, capsys):
+    target, draft = pattern_dirs("llama")
+    real = check.generate_batch
+
+    def broken(pair, prompts, settings, *args, **kwargs):
+        if settings.cache == "dynamic":
+            raise RuntimeError("an op this device lacks")
+        return real(pair, prompts, settings, *args, **kwargs)
+
+    monkeypatch.setattr(check, "generate_batch", broken)
+    monkeypatch.setattr(check, "PROMPTS", PROMPTS)
+    code = main(["check", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--dtype", "float32",
+                 "--max-new-tokens", "6", "--only", "T=0"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "failed   model γ 3, dynamic cache, T=0: RuntimeError: an op this device lacks" in captured.out
+    for cache in ("static", "none"):
+        assert f"ok       model γ 3, {cache} cache, T=0" in captured.out
+    assert "Traceback" in captured.err and "an op this device lacks" in captured.err
+    assert "2 ok, 1 failed, 6 skipped" in captured.out  # --only T=0: 9 cases, the head's skipped (no head)
+
+
+def test_the_verdicts_fail_where_they_should(pattern_pair):
+    pair = pattern_pair("llama")
+    settings = Settings(gamma=3, max_new_tokens=8)
+    runs = [generate(pair, "", settings, prompt_ids=p) for p in (words(2, 3, 4), words(10, 11))]
+    case = check.Case("model", 3, 1, 0, "static", False, 0.0)
+    assert check.judge(case, True, runs, runs, runs, None) == ("ok", ["greedy = plain decoding 2/2",
+                                                                    "batch rows = alone 2/2"])
+    swapped = runs[::-1]
+    status, checks = check.judge(case, True, runs, swapped, swapped, None)  # texts apart: float32 fails
+    assert status == "failed" and checks[0].startswith("greedy = plain decoding 0/2 (first difference at token")
+    assert check.judge(case, False, runs, swapped, swapped, None)[0] == "differs"  # reduced precision: reported
+    assert check.judge(case, True, runs, runs, None, 1e-3)[0] == "failed"  # the closed form misses p
+    assert check.judge(case, True, runs, runs, None, float("nan"))[0] == "failed"
+    broken = copy.deepcopy(runs)
+    broken[0].events[-1].extra.p = math.nan
+    assert check.judge(case, True, broken, broken, None, 0.0)[0] == "failed"
+    broken[0].events[-1].extra.p = 1.5
+    assert check.judge(case, True, broken, broken, None, 0.0)[1][-1] == "a p, q or min(1, p/q) outside [0, 1]"
