@@ -1,12 +1,14 @@
 """`python -m specviz check`: the matrix runs, its oracles can fail, and a failing case fails the command."""
 
 import copy
+import logging
 import math
 
 import pytest
 from conftest import words
 
 from specviz.core.generator import Settings, generate
+from specviz.models import leanllama
 from specviz.tools import check
 from specviz.tools.cli import main
 
@@ -80,3 +82,15 @@ def test_the_verdicts_fail_where_they_should(pattern_pair):
     assert check.judge(case, True, broken, broken, None, 0.0)[0] == "failed"
     broken[0].events[-1].extra.p = 1.5
     assert check.judge(case, True, broken, broken, None, 0.0)[1][-1] == "a p, q or min(1, p/q) outside [0, 1]"
+
+
+def test_a_case_reports_warnings_once_and_not_progress():
+    caught, log = check._Caught(), logging.getLogger("specviz")
+    log.addHandler(caught)
+    try:
+        log.warning("specviz: preparing the compiled forward of m for 4 token(s)", extra=leanllama.PROGRESS)
+        for _ in range(2):
+            log.warning("specviz: 64 shapes compiled in this process, the most kept; m runs a forward eager")
+    finally:
+        log.removeHandler(caught)
+    assert caught.seen == ["specviz: 64 shapes compiled in this process, the most kept; m runs a forward eager"]

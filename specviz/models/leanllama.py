@@ -49,6 +49,7 @@ CAPACITY_STEP = 256  # compiled forwards: cache capacity is this times a power o
 GRAPHS = 64  # compiled forwards: shapes compiled per process, all models together (dynamo's limit); past it, eager
 SPARE_SETS = 4  # compiled caches a model keeps for reuse once their runs end
 log = logging.getLogger("specviz")
+PROGRESS = {"progress": True}  # a log record that reports progress (shown as it happens), not a problem
 
 
 def compiled_capacity(slots: int) -> int:
@@ -396,7 +397,7 @@ class LeanLlama(nn.Module):
             LeanLlama.shapes_compiled += 1
             log.warning("specviz: preparing the compiled forward of %s for %d token(s) (compiling takes about "
                         "a minute on a small CPU; later starts load it from %s)", self.name, ids.shape[1],
-                        os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+                        os.environ.get("TORCHINDUCTOR_CACHE_DIR"), extra=PROGRESS)
             started, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
         try:
             out = self.compiled(*args)
@@ -408,7 +409,7 @@ class LeanLlama(nn.Module):
         if new:
             loaded = counters["inductor"]["fxgraph_cache_hit"] > hits
             log.warning("specviz: ready in %.1f s (%s)", time.perf_counter() - started,
-                        "loaded from the disk cache" if loaded else "compiled")
+                        "loaded from the disk cache" if loaded else "compiled", extra=PROGRESS)
         self.compiled_shapes.add(shape)
         return out
 

@@ -20,7 +20,6 @@ falling back to eager, CUDA graphs recorded again). No timings here: `bench` mea
 from __future__ import annotations
 
 import logging
-import math
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -69,21 +68,21 @@ class Case:
 @dataclass
 class Outcome:
     case: Case
-    status: str  # "ok" | "differs" (reduced precision, greedy) | "failed" | "skipped"
+    status: str  # "ok" | "differs" (texts apart in reduced precision) | "failed" | "skipped" (refused)
     checks: list[str] = field(default_factory=list)  # what held, or what did not
     waits_per_round: float | None = None
     warnings: list[str] = field(default_factory=list)
     error: str = ""  # a traceback, when the case raised
 
 
-def cases(pair: ModelPair, compiled: bool) -> list[Case]:
+def cases(compiled: bool) -> list[Case]:
     """The matrix: cache kinds (and the compiled static cache), drafter shapes, greedy and sampled."""
     caches = [("static", False), ("dynamic", False), ("none", False)] + ([("static", True)] if compiled else [])
     return [Case(d, g, b, n, cache, comp, t) for cache, comp in caches for d, g, b, n in SHAPES for t in (0.0, 1.0)]
 
 
 class _Caught(logging.Handler):
-    """Warnings logged while a case runs (specviz's and torch's), in order, each once."""
+    """Warnings logged while a case runs (specviz's and torch's; not progress), in order, each once."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -91,15 +90,14 @@ class _Caught(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage().strip().splitlines()[0][:200]
-        if text not in self.seen:
+        if text not in self.seen and not getattr(record, "progress", False):
             self.seen.append(text)
 
 
 def _in_range(run: Run) -> bool:
-    """Every recorded probability of the run is a number in [0, 1]."""
+    """Every recorded probability of the run is a number in [0, 1] (NaN is not)."""
     values = [v for e in run.events for t in e.drafted for v in (t.p, t.q, t.accept_prob)]
-    values += [e.extra.p for e in run.events if e.extra]
-    return all(0.0 <= v <= 1.0 for v in values if not math.isnan(v)) and not any(map(math.isnan, values))
+    return all(0.0 <= v <= 1.0 for v in values + [e.extra.p for e in run.events if e.extra])
 
 
 def judge(case: Case, exact: bool, singles: list[Run], batch: list[Run], plain: list[Run] | None,
@@ -178,7 +176,7 @@ def check(pair: ModelPair, compiled: bool, max_new_tokens: int = 24, prompts: li
             plain_runs[key] = [generate(pair, p, settings, mode="baseline") for p in prompts]
         return plain_runs[key]
 
-    for case in cases(pair, compiled):
+    for case in cases(compiled):
         if only is None or only(case):
             yield run_case(pair, case, prompts, max_new_tokens, plain)
 

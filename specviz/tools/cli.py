@@ -521,7 +521,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         outcomes.append(outcome)
         print(report_line(outcome), flush=True)
         for said in outcome.warnings:
-            print(f"         warned: {said}", flush=True)
+            print(f"         said: {said}", flush=True)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "differs", "failed", "skipped")}
     print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no case matched --only")
     if counts["differs"]:
