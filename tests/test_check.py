@@ -5,6 +5,7 @@ import logging
 import math
 
 import pytest
+import torch
 from conftest import words
 
 from specviz.core.generator import Settings, generate
@@ -66,22 +67,40 @@ def test_a_case_that_raises_fails_the_command_and_the_others_still_run(pattern_d
 
 def test_the_verdicts_fail_where_they_should(pattern_pair):
     pair = pattern_pair("llama")
-    settings = Settings(gamma=3, max_new_tokens=8)
-    runs = [generate(pair, "", settings, prompt_ids=p) for p in (words(2, 3, 4), words(10, 11))]
+    f32, bf16 = torch.float32, torch.bfloat16
+    runs = [generate(pair, "", Settings(gamma=3, max_new_tokens=8, drafter=d), prompt_ids=p)
+            for d, p in (("model", words(2, 3, 4)), ("model", words(10, 11)))]
     case = check.Case("model", 3, 1, 0, "static", False, 0.0)
-    assert check.judge(case, True, runs, runs, runs, None) == ("ok", ["greedy = plain decoding 2/2",
-                                                                    "batch rows = alone 2/2"])
+    assert check.judge(case, f32, runs, runs, runs, None) == ("ok", ["greedy = plain decoding 2/2",
+                                                                   "batch rows = alone 2/2"])
     swapped = runs[::-1]
-    status, checks = check.judge(case, True, runs, swapped, swapped, None)  # texts apart: float32 fails
+    status, checks = check.judge(case, f32, runs, runs, swapped, None)  # texts apart: float32 fails
     assert status == "failed" and checks[0].startswith("greedy = plain decoding 0/2 (first difference at token")
-    assert check.judge(case, False, runs, swapped, swapped, None)[0] == "differs"  # reduced precision: reported
-    assert check.judge(case, True, runs, runs, None, 1e-3)[0] == "failed"  # the closed form misses p
-    assert check.judge(case, True, runs, runs, None, float("nan"))[0] == "failed"
+    assert check.judge(case, bf16, runs, runs, swapped, None)[0] == "differs"  # reduced precision: reported
+    assert check.judge(case, f32, runs, runs, None, 1e-3)[0] == "failed"  # the closed form misses p
+    assert check.judge(case, f32, runs, runs, None, float("nan"))[0] == "failed"
+    # a batch row that records other numbers for the same drafts: in float32 beyond rounding fails (q: beyond
+    # an int8 step where the drafter is quantized); in bfloat16 the gap is reported
+    drafted = next(i for i, e in enumerate(runs[0].events) if e.drafted and min(e.drafted[0].p, e.drafted[0].q) > 0.01)
+    for field, scale, dtype, quantized, verdict in (
+            ("q", 0.8, f32, False, "failed"), ("q", 1 - 1e-6, f32, False, "ok"), ("q", 0.95, f32, False, "failed"),
+            ("q", 0.95, f32, True, "ok"), ("q", 0.8, f32, True, "failed"), ("p", 0.95, f32, True, "failed"),
+            ("q", 0.8, bf16, False, "ok")):
+        moved = copy.deepcopy(runs)
+        token = moved[0].events[drafted].drafted[0]
+        setattr(token, field, getattr(token, field) * scale)
+        status, checks = check.judge(case, dtype, runs, moved, None, 0.0, quantized)
+        assert status == verdict, (field, scale, dtype, quantized, checks)
+        assert f"{field} within {1 - scale:.0e}" in checks[0] or scale > 0.99, checks
+    parted = copy.deepcopy(runs)  # the same numbers, another token drawn near a boundary: differs
+    parted[0].events[-1].extra.id += 1
+    assert check.judge(case, f32, runs, parted, None, 0.0) == ("differs", ["batch rows = alone 1/2",
+                                                                         "first round exact: max|emitted−p| 0.0e+00"])
     broken = copy.deepcopy(runs)
     broken[0].events[-1].extra.p = math.nan
-    assert check.judge(case, True, broken, broken, None, 0.0)[0] == "failed"
+    assert check.judge(case, f32, broken, broken, None, 0.0)[0] == "failed"
     broken[0].events[-1].extra.p = 1.5
-    assert check.judge(case, True, broken, broken, None, 0.0)[1][-1] == "a p, q or min(1, p/q) outside [0, 1]"
+    assert check.judge(case, f32, broken, broken, None, 0.0)[1][-1] == "a p, q or min(1, p/q) outside [0, 1]"
 
 
 def test_a_case_reports_warnings_once_and_not_progress():

@@ -6,15 +6,21 @@ cache where asked, greedy and sampled, one prompt and a batch, each drafter kind
 tree. Every case is judged by oracles that can fail:
   - greedy: each prompt's speculative tokens equal plain decoding's with the same cache
     (speculation changes the cost of the text, never the text; Leviathan et al. 2023);
-  - a batch: every row equals its prompt decoded alone with the same settings and seed;
+  - a batch: every row computes what its prompt computes alone with the same settings and seed: the
+    same tokens, or, where a draw or a near tie parts them, the same p and q (every one both runs
+    recorded for the same token, up to the round where they part) within rounding (float32: GAP; a
+    drafter's q within QUANTIZED where it drafts through int8 products, whose rounding jumps);
   - sampled: the first round's emitted distribution, in closed form from the real p and q, equals
     the target's to float64 rounding (lossless.exact_check), and every recorded p, q, min(1, p/q)
     lies in [0, 1].
-In float32 a greedy difference fails the case. In bfloat16 or float16 two computations of the same
-logits may round apart at a near tie, so there a difference is reported, not failed: the float32
-check gives the verdict. Each case also reports its host-device waits per round (tools/syncs.py:
-what a GPU round waits for; eager cases only) and the warnings it raised (a compiled forward
-falling back to eager, CUDA graphs recorded again). No timings here: `bench` measures.
+Another row count may take another kernel, whose sums round apart: in the last bits in float32,
+by up to a bfloat16 step of the logits (several percent of a probability) in bfloat16. That moves
+sampled draws that lie near a boundary and, in reduced precision, near ties, so texts that part
+with their numbers within rounding are reported as `differs`, not failed; in float32 greedy text
+must equal plain decoding's, and in reduced precision the gap is reported, not judged. Each case also reports
+its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager cases only) and
+the warnings it raised (a compiled forward falling back to eager, CUDA graphs recorded again). No
+timings here: `bench` measures.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from ..core.events import Run
 from ..core.generator import Settings, encode_prompts, generate, generate_batch
+from ..models import kernels
 from ..models.loading import ModelPair
 from ..view.rendering import first_difference
 from .lossless import exact_check
@@ -41,6 +48,10 @@ PROMPTS = [BENCHMARK_PROMPTS["classic"][0], BENCHMARK_PROMPTS["code"][0], BENCHM
 # (drafter, γ, branch, nodes): a draft model's chain, lookup then the head's chain, the head's tree
 SHAPES = [("model", 3, 1, 0), ("lookup+eagle", 2, 1, 0), ("eagle", 3, 2, 4)]
 EXACT = 1e-9  # the closed-form check's tolerance, max |emitted − p| in float64
+# how far apart a row's p and q may be, alone and in a batch, relative (below 1e-3: absolute): rounding, not a
+# batching bug (an int8 product in one and bfloat16 weights in the other put q 17 % apart)
+GAP = {torch.float32: 1e-3, torch.float64: 1e-3}
+QUANTIZED = 0.1  # int8 products: a last-bit change upstream moves a value across a quantization step
 
 
 @dataclass(frozen=True)
@@ -100,31 +111,54 @@ def _in_range(run: Run) -> bool:
     return all(0.0 <= v <= 1.0 for v in values + [e.extra.p for e in run.events if e.extra])
 
 
-def judge(case: Case, exact: bool, singles: list[Run], batch: list[Run], plain: list[Run] | None,
-          exact_diff: float | None) -> tuple[str, list[str]]:
-    """(status, checks) of one case from its runs: `exact` where greedy text must equal plain decoding's."""
+def _quantized(pair: ModelPair) -> bool:
+    """Whether the EAGLE head's products took an int8 path (kernels.py) for some row count."""
+    linears = pair.head.lean_linears().values() if pair.head is not None else []
+    return any(kernels.PATHS[name].numbers == "int8" for lin in linears for name in lin.paths.values())
+
+
+def gap(a: Run, b: Run) -> tuple[float, float]:
+    """The largest relative gaps between the p, and between the q, both runs recorded for the same token,
+    up to the round where their tokens part ((0, 0) for two identical runs)."""
+    p_gap = q_gap = 0.0
+    for ea, eb in zip(a.events, b.events, strict=False):
+        same = [(x, y) for x, y in zip(ea.drafted, eb.drafted, strict=False) if x.id == y.id]
+        ps = [(x.p, y.p) for x, y in same] + ([(ea.extra.p, eb.extra.p)] if ea.extra and eb.extra
+                                                and ea.extra.id == eb.extra.id else [])
+        p_gap = max([p_gap] + [abs(x - y) / max(abs(x), abs(y), 1e-3) for x, y in ps])
+        q_gap = max([q_gap] + [abs(x.q - y.q) / max(abs(x.q), abs(y.q), 1e-3) for x, y in same])
+        if ea.new_tokens != eb.new_tokens:
+            break
+    return p_gap, q_gap
+
+
+def judge(case: Case, dtype: torch.dtype, singles: list[Run], batch: list[Run], plain: list[Run] | None,
+          exact_diff: float | None, quantized: bool = False) -> tuple[str, list[str]]:
+    """(status, checks) of one case from its runs (module docstring); `quantized`: the drafter's products
+    went through int8."""
     failed, differs, checks = False, False, []
     if plain is not None:  # greedy
         parts = [first_difference(s.token_ids, p.token_ids) for s, p in zip(singles, plain, strict=True)]
         apart = [at for at in parts if at is not None]
-        same = len(parts) - len(apart)
-        checks.append(f"greedy = plain decoding {same}/{len(parts)}"
+        checks.append(f"greedy = plain decoding {len(parts) - len(apart)}/{len(parts)}"
                       + (f" (first difference at token {min(apart)})" if apart else ""))
-        failed |= exact and same < len(parts)
-        differs |= same < len(parts)
-    rows = sum(b.token_ids == s.token_ids for b, s in zip(batch, singles, strict=True))
-    checks.append(f"batch rows = alone {rows}/{len(batch)}")
-    if exact:
-        failed |= rows < len(batch)
-    else:
-        differs |= rows < len(batch)
+        failed |= bool(apart) and dtype in GAP
+        differs |= bool(apart)
+    same = sum(b.token_ids == s.token_ids for b, s in zip(batch, singles, strict=True))
+    gaps = [gap(b, s) for b, s in zip(batch, singles, strict=True)]
+    p_gap, q_gap = (max(g[i] for g in gaps) for i in (0, 1))
+    checks.append(f"batch rows = alone {same}/{len(batch)}"
+                  + (f", p within {p_gap:.0e}, q within {q_gap:.0e}" if p_gap or q_gap else ""))
+    if dtype in GAP and (p_gap > GAP[dtype] or q_gap > (QUANTIZED if quantized else GAP[dtype])):
+        checks[-1] += " (beyond rounding: the batch computes other numbers)"
+        failed = True
+    differs |= same < len(batch)
     if exact_diff is not None:
         checks.append(f"first round exact: max|emitted−p| {exact_diff:.1e}")
         failed |= not exact_diff <= EXACT
-    ranged = all(_in_range(r) for r in singles + batch)
-    if not ranged:
+    if not all(_in_range(r) for r in singles + batch):
         checks.append("a p, q or min(1, p/q) outside [0, 1]")
-    failed |= not ranged
+        failed = True
     if not any(r.n_tokens for r in singles):
         checks.append("no tokens")
         failed = True
@@ -151,8 +185,8 @@ def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: in
             batch = generate_batch(pair, prompts, settings)
             greedy = case.temperature == 0
             diff = None if greedy else exact_check(pair, prompts[0], replace(settings, compile=False)).max_diff
-            status, checks = judge(case, pair.dtype == torch.float32, singles, batch,
-                                   plain(case) if greedy else None, diff)
+            status, checks = judge(case, pair.dtype, singles, batch, plain(case) if greedy else None, diff,
+                                   _quantized(pair) and "eagle" in case.drafter)
         found = caught.seen + [str(w.message).splitlines()[0][:200] for w in raised]
         waits = None if case.compiled else counter.total / max(1, len(first.events))
         return Outcome(case, status, checks, waits, list(dict.fromkeys(found)))
