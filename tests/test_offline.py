@@ -65,6 +65,17 @@ def test_offline_batch_rows_equal_single_runs(offline_fp32, drafter):
     assert len({len(r.meta.prompt_ids) for r in batch}) > 1  # rows of different lengths, left-padded
 
 
+def test_the_check_holds_on_the_offline_pair_with_every_drafter(offline_fp32):
+    """`specviz check`'s static-cache cases in float32 on the shipped models. The sampled ones with the head
+    found its batch rows drafting through int8 products and the same prompts alone through bfloat16 weights
+    (q 17 % apart); a row's numbers must now agree within rounding alone and in a batch ('differs' allows a
+    draw near a boundary to part the texts on another CPU's kernels)."""
+    from specviz.tools.check import check, report_line
+
+    outcomes = list(check(offline_fp32, compiled=False, max_new_tokens=12, only=lambda c: c.cache == "static"))
+    assert len(outcomes) == 6 and all(o.status in ("ok", "differs") for o in outcomes), list(map(report_line, outcomes))
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(offline_fp32):
     """Hugging Face `generate`, greedy, on every benchmark prompt: the reference text."""

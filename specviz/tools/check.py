@@ -17,10 +17,10 @@ Another row count may take another kernel, whose sums round apart: in the last b
 by up to a bfloat16 step of the logits (several percent of a probability) in bfloat16. That moves
 sampled draws that lie near a boundary and, in reduced precision, near ties, so texts that part
 with their numbers within rounding are reported as `differs`, not failed; in float32 greedy text
-must equal plain decoding's, and in reduced precision the gap is reported, not judged. Each case also reports
-its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager cases only) and
-the warnings it raised (a compiled forward falling back to eager, CUDA graphs recorded again). No
-timings here: `bench` measures.
+must equal plain decoding's, and in reduced precision the gaps are shown, not judged. Each case
+also reports its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager
+cases only) and the warnings it raised (a compiled forward falling back to eager, CUDA graphs
+recorded again). No timings here: `bench` measures.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Case:
 @dataclass
 class Outcome:
     case: Case
-    status: str  # "ok" | "differs" (texts apart in reduced precision) | "failed" | "skipped" (refused)
+    status: str  # "ok" | "differs" (texts apart, numbers within rounding) | "failed" | "skipped" (refused)
     checks: list[str] = field(default_factory=list)  # what held, or what did not
     waits_per_round: float | None = None
     warnings: list[str] = field(default_factory=list)
