@@ -113,3 +113,19 @@ def test_a_case_reports_warnings_once_and_not_progress():
     finally:
         log.removeHandler(caught)
     assert caught.seen == ["specviz: 64 shapes compiled in this process, the most kept; m runs a forward eager"]
+
+
+def test_a_compiled_run_without_cuda_graphs_says_so(pattern_pair, monkeypatch):
+    """On a GPU inductor may run a compiled graph without CUDA graphs (and count it): the case says how often."""
+    from torch._dynamo.utils import counters
+
+    real = check.generate_batch
+
+    def skipping(*args, **kwargs):
+        counters["inductor"]["cudagraph_skips"] += 2
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check, "generate_batch", skipping)
+    (outcome,) = check.check(pattern_pair("llama"), compiled=False, max_new_tokens=4, prompts=PROMPTS,
+                             only=lambda c: c.name == "model γ 3, static cache, T=0")
+    assert outcome.status == "ok" and outcome.checks[-1].startswith("CUDA graphs skipped 2 times")

@@ -19,8 +19,8 @@ sampled draws that lie near a boundary and, in reduced precision, near ties, so 
 with their numbers within rounding are reported as `differs`, not failed; in float32 greedy text
 must equal plain decoding's, and in reduced precision the gaps are shown, not judged. Each case
 also reports its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager
-cases only) and the warnings it raised (a compiled forward falling back to eager, CUDA graphs
-recorded again). No timings here: `bench` measures.
+cases only), the warnings it raised (a compiled forward falling back to eager, for one) and how
+often inductor ran a compiled graph without CUDA graphs. No timings here: `bench` measures.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch._dynamo.utils import counters
 
 from ..core.events import Run
 from ..core.generator import Settings, encode_prompts, generate, generate_batch
@@ -173,7 +174,7 @@ def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: in
         encode_prompts(pair, prompts, settings)  # validation before any model work: a refusal is a skip
     except ValueError as err:
         return Outcome(case, "skipped", [str(err)])
-    caught = _Caught()
+    caught, skips = _Caught(), counters["inductor"]["cudagraph_skips"]
     logging.getLogger().addHandler(caught)
     try:
         with warnings.catch_warnings(record=True) as raised:
@@ -187,6 +188,9 @@ def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: in
             diff = None if greedy else exact_check(pair, prompts[0], replace(settings, compile=False)).max_diff
             status, checks = judge(case, pair.dtype, singles, batch, plain(case) if greedy else None, diff,
                                    _quantized(pair) and "eagle" in case.drafter)
+        if counters["inductor"]["cudagraph_skips"] > skips:  # inductor ran a compiled graph without CUDA graphs
+            checks.append(f"CUDA graphs skipped {counters['inductor']['cudagraph_skips'] - skips} times "
+                          "(TORCH_LOGS=cudagraphs says why)")
         found = caught.seen + [str(w.message).splitlines()[0][:200] for w in raised]
         waits = None if case.compiled else counter.total / max(1, len(first.events))
         return Outcome(case, status, checks, waits, list(dict.fromkeys(found)))
