@@ -63,6 +63,8 @@ def test_a_case_that_raises_fails_the_command_and_the_others_still_run(pattern_d
         assert f"ok       model γ 3, {cache} cache, T=0" in captured.out
     assert "Traceback" in captured.err and "an op this device lacks" in captured.err
     assert "2 ok, 1 failed, 6 skipped" in captured.out  # --only T=0: 9 cases, the head's skipped (no head)
+    assert main(["check", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--only", "T=2"]) == 2
+    assert "no case's name contains 'T=2'" in capsys.readouterr().err  # nothing ran: not a pass
 
 
 def test_the_verdicts_fail_where_they_should(pattern_pair):

@@ -498,8 +498,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
                         "near tie may part the texts, which is reported, not failed)")
     c.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also the compiled static cache (default: on a GPU; compiling takes minutes on a CPU)")
-    c.add_argument("--max-new-tokens", type=int, default=24)
-    c.add_argument("--only", default="", help="only the cases whose name contains this text")
+    c.add_argument("--max-new-tokens", type=int, default=24, help="tokens each run decodes (default 24)")
+    c.add_argument("--only", default="", help="only the cases whose name contains this text, e.g. 'T=1' or 'tree'")
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -522,8 +522,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(report_line(outcome), flush=True)
         for said in outcome.warnings:
             print(f"         said: {said}", flush=True)
+    if not outcomes:
+        print(f"error: no case's name contains {args.only!r}", file=sys.stderr)
+        return 2
     counts = {s: sum(o.status == s for o in outcomes) for s in ("ok", "differs", "failed", "skipped")}
-    print(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no case matched --only")
+    print(", ".join(f"{n} {s}" for s, n in counts.items() if n))
     if counts["differs"]:
         print("differs: texts parted where another row count takes another kernel, whose sums round apart (the "
               "last bits in float32, up to a bfloat16 step of a logit in bfloat16); that moves sampled draws near a "
