@@ -1,5 +1,6 @@
 """Loading: presets, shared vocabulary, device and dtype."""
 
+import pytest
 import torch
 from conftest import VOCAB
 
@@ -32,6 +33,17 @@ def test_device_and_dtype_resolution(monkeypatch):
 
     cpu = torch.device("cpu")
     assert resolve_device("cpu") == cpu
+    # a device this machine lacks, or no device at all: a clear error before any model loads
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for asked, said in (("cuda", "no cuda device"), ("cuda:1", "no cuda:1 device"),
+                        ("gpu", "not a device torch knows")):
+        with pytest.raises(ValueError, match=said):
+            resolve_device(asked)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda")  # one GPU: cuda (cuda:0) is there, cuda:1 is not
+    with pytest.raises(ValueError, match="no cuda:1 device"):
+        resolve_device("cuda:1")
     assert resolve_dtype("float32", cpu)[0] == torch.float32
     monkeypatch.setattr(models.kernels, "compare_dtypes", lambda out, inp, progress=None: (torch.bfloat16, "measured"))
     assert resolve_dtype("auto", cpu, (49152, 576)) == (torch.bfloat16, "auto: measured")

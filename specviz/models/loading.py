@@ -160,9 +160,22 @@ def get_preset(name: str) -> Preset:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """auto: cuda, then mps, then cpu."""
+    """auto: cuda, then mps, then cpu. ValueError (before any model work) for a device this machine lacks."""
     if device != "auto":
-        return torch.device(device)
+        try:
+            chosen = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"--device {device!r} is not a device torch knows: auto, cpu, cuda, cuda:1, mps, "
+                             "...") from err
+        mps = getattr(torch.backends, "mps", None)
+        if chosen.type == "cuda":
+            missing = not torch.cuda.is_available() or (chosen.index or 0) >= torch.cuda.device_count()
+        else:
+            missing = chosen.type == "mps" and not (mps and mps.is_available())
+        if missing:
+            raise ValueError(f"this machine has no {device} device for torch {torch.__version__} (a CPU build, or no "
+                             "GPU found); leave --device auto to take what is here")
+        return chosen
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
