@@ -33,13 +33,25 @@ from ..view.rendering import batch_summary, first_difference, legend, round_text
 from .stream import Finished, RoundDone, stream
 
 
+def _add_pair(p: argparse.ArgumentParser) -> None:
+    """The model pair and its device, as generate and check take them."""
+    p.add_argument("--preset", choices=list(PRESETS), help="a model pair (default: offline)")
+    p.add_argument("--target", help="target model: hub id or local directory")
+    p.add_argument("--draft", help="draft model: hub id or local directory (same tokenizer)")
+    p.add_argument("--head", metavar="DIR", help="an EAGLE head for the target (from `distill --kind eagle`)")
+    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
+
+
+def _preset(args: argparse.Namespace) -> str | None:
+    """The preset asked for; the offline one unless models were named."""
+    return args.preset or (None if args.target or args.draft else "offline")
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate with speculative decoding and show every round")
     g.add_argument("--prompt", required=True, action="append",
                    help="the prompt; give it several times to decode a batch (one stream per prompt)")
-    g.add_argument("--preset", choices=list(PRESETS), help="a model pair (default: offline)")
-    g.add_argument("--target", help="target model: hub id or local directory")
-    g.add_argument("--draft", help="draft model: hub id or local directory (same tokenizer)")
+    _add_pair(g)
     g.add_argument("--gamma", type=int,
                    help=f"tokens drafted per round, 1..{MAX_GAMMA} (default: the one expected fastest on this "
                         "machine for the preset, else the preset's, else 4); an adaptive policy starts here")
@@ -56,7 +68,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--nodes", type=int,
                    help="a tree's drafts verified per round, the likeliest first (sampled: the first drawn; 0 = all "
                         "it drafts; default: with the shape chosen for this machine, else 0)")
-    g.add_argument("--head", metavar="DIR", help="an EAGLE head for the target (from `distill --kind eagle`)")
     g.add_argument("--gamma-policy", choices=list(POLICIES),
                    help="default: the preset's, else fixed. fixed; grow-shrink: +2 after a fully accepted round, "
                         "-1 after a rejection; expected: each round the γ with the best expected speedup from what "
@@ -83,7 +94,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="torch.compile the static cache's forward (Llama-family models; graphs cached on disk: "
                         "the first start compiles for a minute or two, later starts load them). Default: on if "
                         "SPECVIZ_COMPILE=1")
-    g.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
     g.add_argument("--dtype", default="auto",
                    help="auto (on a CPU: bfloat16 or float32, whichever measures faster here), float32, bfloat16, "
                         "float16")
@@ -92,7 +102,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    preset = args.preset or (None if args.target or args.draft else "offline")
+    preset = _preset(args)
     first_run = PRESETS[preset] if preset else Preset("", "", "", "")  # the preset's settings for a first run
     gamma = args.gamma if args.gamma is not None else first_run.gamma
     settings = Settings(
@@ -488,11 +498,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("check", help="run every way specviz decodes once on this device (cache kinds, compiled, "
                                      "greedy and sampled, a batch, each drafter, chain and tree), each against an "
                                      "oracle (specviz/tools/check.py)")
-    c.add_argument("--preset", choices=list(PRESETS), help="a model pair (default: offline)")
-    c.add_argument("--target", help="target model: hub id or local directory")
-    c.add_argument("--draft", help="draft model: hub id or local directory (same tokenizer)")
-    c.add_argument("--head", metavar="DIR", help="an EAGLE head for the target")
-    c.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
+    _add_pair(c)
     c.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (float32 decides greedy exactness; in the others a "
                         "near tie may part the texts, which is reported, not failed)")
@@ -508,7 +514,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .check import check, report_line
 
     Settings(max_new_tokens=args.max_new_tokens).validate()
-    preset = args.preset or (None if args.target or args.draft else "offline")
+    preset = _preset(args)
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, head=args.head,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     compiled = pair.device.type == "cuda" if args.compile is None else args.compile
