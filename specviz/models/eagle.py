@@ -39,7 +39,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import native
-from .leanllama import Linear, attend, rms_in_c, rotate
+from .leanllama import Linear, attend, in_c, rotate
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -80,7 +80,7 @@ class HeadConfig:
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm, fused (the weight cast to x's dtype, as under autocast x may be bf16); drafting in bf16 on a
     CPU, through the target's one C call (F.rms_norm runs eight operations there)."""
-    if rms_in_c(x):
+    if in_c(x):
         return native.rms_bf16(x, weight.to(x.dtype), eps)
     return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 

@@ -308,3 +308,145 @@ void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int row
             yr[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * scale)));
     }
 }
+
+/* Attention of bfloat16 queries over bfloat16 keys and values, in float32 (specviz_attend_bf16), the same
+   numbers for a query whatever else is in the call: each query's visible keys are gathered in slot order
+   first, and every sum then runs over that list (the scores' dot products over the head's dimension in
+   8-lane chunks, reduced in one fixed order; the softmax's sum in 8-lane partial sums over the list; the
+   values' weighted sum key after key). So a query gets the same bits alone in a one-token step, among the
+   rows of a verify, beside other batch rows, or as a tree node whose ancestors are not consecutive slots:
+   what makes bfloat16 greedy speculation decode exactly the plain decoding's tokens, where the products are
+   row-invariant too. ATen's kernels split the keys into blocks by slot and reduce them in an order that
+   depends on the call's shape. Work items are (batch row, key head, query): the key head's query heads
+   share each key's load; items are shared among OpenMP threads, which do not change any item's bits. */
+#include <math.h>
+#include <stdlib.h>
+
+/* e^x for x <= 0 in eight lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial for
+   e^r, times 2^n); below -87.3 it returns 2^-126 instead of a smaller number, which the sum of a softmax,
+   whose largest term is 1, does not see. Lane by lane: a number's result does not depend on its lane. */
+INLINE __m256 exp_neg(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+INLINE __m256 load8_bf16(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+INLINE float sum8(__m256 v) /* one fixed order: halves, then pairs, then the last two */
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define MAX_REP 16     /* query heads per key head */
+#define MAX_DIM 256    /* head dimension, a multiple of 8 */
+
+/* One work item: rep query heads of key head g at query i of batch row b (chunks = D / 8: a constant where
+   it is inlined, so the accumulators stay in registers). seen: scratch for L slot numbers; e: for rep rows
+   of L + 8 scores. */
+INLINE void attend_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *row, uint16_t *out,
+                        int64_t L, int64_t rep, int64_t chunks, int64_t sm2, const int64_t *sk, const int64_t *sv,
+                        int64_t sq1, int64_t so1, float scale, int *seen, float *e)
+{
+    const int64_t D = 8 * chunks;
+    int n = 0;
+    for (int64_t j = 0; j < L; j++)
+        if (row[j * sm2])
+            seen[n++] = (int)j;
+    const int64_t padded = (n + 7) / 8 * 8;
+    float qf[MAX_REP * MAX_DIM] __attribute__((aligned(32)));
+    for (int64_t r = 0; r < rep; r++)
+        for (int64_t c = 0; c < chunks; c++)
+            _mm256_store_ps(qf + r * D + 8 * c, load8_bf16(q + r * sq1 + 8 * c));
+    /* scores: e[r][m] = (q_r . k_seen[m]) * scale */
+    for (int m = 0; m < n; m++) {
+        const uint16_t *kr = k + (int64_t)seen[m] * sk[2];
+        for (int64_t r = 0; r < rep; r++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++)
+                acc = _mm256_fmadd_ps(_mm256_load_ps(qf + r * D + 8 * c), load8_bf16(kr + 8 * c), acc);
+            e[r * (L + 8) + m] = sum8(acc) * scale;
+        }
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        float *er = e + r * (L + 8), top = -INFINITY;
+        for (int m = 0; m < n; m++)
+            top = er[m] > top ? er[m] : top;
+        for (int m = n; m < padded; m++)
+            er[m] = top;
+        __m256 sum = _mm256_setzero_ps(), mx = _mm256_set1_ps(top);
+        for (int64_t m = 0; m < padded; m += 8) {
+            __m256 x = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(er + m), mx));
+            if (m + 8 > n) /* the padding's lanes add nothing */
+                x = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(n - (int)m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+            _mm256_storeu_ps(er + m, x);
+            sum = _mm256_add_ps(sum, x);
+        }
+        /* out_r = sum_m e[r][m] v_seen[m] / sum, key after key */
+        __m256 acc[MAX_DIM / 8];
+        for (int64_t c = 0; c < chunks; c++)
+            acc[c] = _mm256_setzero_ps();
+        for (int m = 0; m < n; m++) {
+            const uint16_t *vr = v + (int64_t)seen[m] * sv[2];
+            __m256 p = _mm256_set1_ps(er[m]);
+            for (int64_t c = 0; c < chunks; c++)
+                acc[c] = _mm256_fmadd_ps(p, load8_bf16(vr + 8 * c), acc[c]);
+        }
+        __m256 inv = _mm256_set1_ps(n ? 1.0f / sum8(sum) : 0.0f);
+        uint16_t *o = out + r * so1;
+        float tmp[8];
+        for (int64_t c = 0; c < chunks; c++) {
+            _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[c], inv));
+            for (int d = 0; d < 8; d++)
+                o[8 * c + d] = to_bf16(tmp[d]);
+        }
+    }
+}
+
+/* dims: B, H, KV, t, L, D. Strides in elements: q (batch, head, query), k and v (batch, key head, slot), mask
+   (batch, query, slot), out (batch, head, query); the last dimension of each is contiguous. mask: 1 = the
+   query sees that slot. A query that sees nothing gets zeros. */
+void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask, uint16_t *out,
+                         const int64_t *dims, const int64_t *strides, float scale)
+{
+    const int64_t B = dims[0], H = dims[1], KV = dims[2], T = dims[3], L = dims[4], D = dims[5];
+    const int64_t rep = H / KV, items = B * KV * T;
+    const int64_t *sq = strides, *sk = strides + 3, *sv = strides + 6, *sm = strides + 9, *so = strides + 12;
+#pragma omp parallel if (items > 1)
+    {
+        int *seen = malloc(sizeof(int) * (size_t)L);
+        float *e = malloc(sizeof(float) * (size_t)rep * (size_t)(L + 8));
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t b = item / (KV * T), g = item / T % KV, i = item % T;
+            const uint16_t *qi = q + b * sq[0] + g * rep * sq[1] + i * sq[2], *kb = k + b * sk[0] + g * sk[1],
+                           *vb = v + b * sv[0] + g * sv[1];
+            const uint8_t *row = mask + b * sm[0] + i * sm[1];
+            uint16_t *oi = out + b * so[0] + g * rep * so[1] + i * so[2];
+            if (D == 64)
+                attend_item(qi, kb, vb, row, oi, L, rep, 8, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
+            else
+                attend_item(qi, kb, vb, row, oi, L, rep, D / 8, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
+        }
+        free(seen);
+        free(e);
+    }
+}

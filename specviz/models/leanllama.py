@@ -151,18 +151,19 @@ def _fused(*linears: nn.Linear) -> Linear:
     return Linear(torch.cat([lin.weight for lin in linears]), None if biases[0] is None else torch.cat(biases))
 
 
-def rms_in_c(x: torch.Tensor) -> bool:
-    """Whether an RMSNorm of x goes through one C call (native.rms_bf16: transformers' roundings, only the
-    sum of squares in another order): bfloat16 rows on a CPU, where eight small ATen operations cost more
-    than the norm's arithmetic; not while compiling (inductor fuses the operations itself), not where
-    gradients flow, and not where the library does not run."""
+def in_c(x: torch.Tensor) -> bool:
+    """Whether bfloat16 work on x goes through specviz's C functions: an RMSNorm in one call (native.rms_bf16:
+    transformers' roundings, only the sum of squares in another order), where eight small ATen operations
+    cost more than the norm's arithmetic, and attention (native.attend_bf16, see `attend`). bfloat16 on a
+    CPU; not while compiling (inductor fuses the operations itself), not where gradients flow, and not where
+    the library does not run."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and native.runs_here())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype (see rms_in_c)."""
-    if rms_in_c(x):
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype (see in_c)."""
+    if in_c(x):
         return native.rms_bf16(x, weight.to(x.dtype), eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -186,14 +187,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Attention of queries q [B, H, t, D] over keys and values [B, KV, L, D] (query head h reads key head
     h // (H / KV)), mask [B, 1, t, L] (boolean, True = may attend, or additive) -> [B, H, t, D].
 
-    A one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a key head as one
-    block of H / KV query rows: ATen's flash attention there is slow for a block of one row, the more so
-    the longer the context, and grouped the key heads are not repeated (BENCHMARKS.md, "CPU A, third
-    session"). Bitwise the same numbers (a test). Wider forwards and float32 keep the call as it was:
-    grouped, their last bits would change, and a target's measured about the same. `lossy`: a drafter's,
-    whose numbers only steer what it drafts, is grouped at any width."""
+    In bfloat16 on a CPU (`in_c`), specviz's own kernel (native.attend_bf16): a query's numbers depend
+    only on the keys it sees, in slot order, not on the queries beside it nor on where those keys lie. So a
+    verify's row, a tree node (its ancestors apart) and a batch row get the bits a one-token step gets, and
+    bfloat16 speculation decodes the plain decoding's tokens where the products are row-invariant too
+    (BENCHMARKS.md, "CPU A, fifth session"); it also costs less than ATen's at these sizes.
+
+    Elsewhere ATen's: a one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a
+    key head as one block of H / KV query rows (ATen's flash attention there is slow for a block of one row;
+    bitwise the same numbers, a test), and so does a drafter's (`lossy`) at any width."""
     batch, heads, t, dim = q.shape
     rep = heads // k.shape[1]
+    if in_c(q) and native.attends(heads, k.shape[1], dim):
+        return native.attend_bf16(q, k, v, mask if mask.dtype == torch.bool else mask == 0)
     if (t > 1 and not lossy) or rep == 1 or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
     # a key head's queries as rows: its query heads' t queries in turn, each with its query's mask row
@@ -353,7 +359,8 @@ class LeanLlama(nn.Module):
         spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only)
         and, if asked, the last hidden state [B, t, C]."""
         x = self.embed(ids)  # [B, t, C]
-        mask = _additive(mask, x.dtype)
+        if not in_c(x):  # the C attention reads the boolean mask
+            mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):

@@ -92,6 +92,8 @@ def library() -> ctypes.CDLL:
         entry.restype = None
     lib.specviz_rms_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]  # x, w, y, rows, n
     lib.specviz_rms_bf16.restype = None
+    lib.specviz_attend_bf16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float]  # q, k, v, mask, out, dims, strides
+    lib.specviz_attend_bf16.restype = None
     return lib
 
 
@@ -116,6 +118,39 @@ def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(flat)
     library().specviz_rms_bf16(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // n, n, eps)
     return y
+
+
+def attends(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether attend_bf16 takes heads of this shape (gemm_avx2.c: MAX_DIM, MAX_REP)."""
+    return dim % 8 == 0 and dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+
+
+def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of bfloat16 queries q [B, H, t, D] over keys and values [B, KV, L, D] (query head h reads key
+    head h // (H / KV)) where mask [B, 1 or absent, t, L] (bool) is True, in float32, rounded to bfloat16 once
+    at the end -> [B, H, t, D] (a view of [B, t, H, D], as the output projection reads it). A query's numbers
+    do not depend on the other queries in the call nor on where its visible keys lie (gemm_avx2.c,
+    specviz_attend_bf16). Any strides, but each vector of D contiguous."""
+    batch, heads, t, dim = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    if mask.dim() == 4:
+        mask = mask[:, 0]
+    mask = mask.expand(batch, t, length)
+    if (q.dtype, k.dtype, v.dtype, mask.dtype) != (torch.bfloat16,) * 3 + (torch.bool,):
+        raise TypeError(f"attend_bf16 needs bfloat16 q, k, v and a bool mask, got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}, {mask.dtype}")
+    if not attends(heads, kv_heads, dim) or v.shape != k.shape:
+        raise ValueError(f"attend_bf16 takes heads of at most 256 (a multiple of 8), at most 16 query heads per "
+                         f"key head: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(batch, t, heads, dim, dtype=torch.bfloat16).transpose(1, 2)
+    dims = (ctypes.c_int64 * 6)(batch, heads, kv_heads, t, length, dim)
+    strides = (ctypes.c_int64 * 15)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mask.stride(),
+                                    *out.stride()[:3])
+    library().specviz_attend_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
+                                  dims, strides, dim ** -0.5)
+    return out
 
 
 def _padded(weight: torch.Tensor, columns: int, k: int, dtype: torch.dtype) -> torch.Tensor:
