@@ -513,3 +513,36 @@ def test_without_avx2_our_kernel_is_skipped_and_decoding_runs(pattern_dirs, tmp_
     verdict, why = out.stdout.strip().splitlines()[-2:]
     assert "'avx2'" in verdict.split(" | ")[2] and verdict.endswith("True")
     assert "needs AVX2 and FMA" in why
+
+
+def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(random_pair, fresh_tables,
+                                                                                       monkeypatch):
+    """bf16 on a CPU with every product forced through specviz's AVX2 kernel (a row's numbers alone, at any row
+    count) and attention through its C kernel (a query's numbers from the keys it sees, wherever they lie):
+    greedy chains and trees decode plain decoding's tokens, and batch rows their tokens alone, on an untrained
+    pair whose bf16 logits lie close (near ties everywhere). With ATen's attention it fails (checked)."""
+    import dataclasses
+
+    from specviz.core.generator import generate_batch
+    from specviz.models import native
+    from specviz.models.eagle import EagleHead, HeadConfig
+    from specviz.models.loading import load_pair
+
+    if not native.runs_here():
+        pytest.skip("specviz's C functions do not run here")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "avx2")
+    pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
+                     device="cpu", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(pair.target, words(0, 1, 2, 5, 6), pair.vocab_size, 16))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    pair = dataclasses.replace(pair, head=head.to(torch.bfloat16).bind(pair.target, pair.vocab_size), head_name="r")
+    prompts = [words(1, 2, 3, 4), words(5, 5, 6), words(7, 0, 1, 2, 3, 4, 5)]
+    for settings in (Settings(drafter="model", gamma=3, max_new_tokens=24, record_top=0),
+                     Settings(drafter="lookup+eagle", gamma=2, max_new_tokens=24, record_top=0),
+                     Settings(drafter="eagle", gamma=3, branch=2, nodes=4, max_new_tokens=24, record_top=0)):
+        alone = [generate(pair, "", settings, prompt_ids=p).token_ids for p in prompts]
+        assert alone == [generate(pair, "", settings, mode="baseline", prompt_ids=p).token_ids for p in prompts]
+        assert [r.token_ids for r in generate_batch(pair, [""] * 3, settings, prompts_ids=prompts)] == alone
+    assert {p for lin in LeanLlama.of(pair.target).linears() for p in lin.paths.values()} == {"avx2"}

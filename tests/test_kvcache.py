@@ -127,13 +127,16 @@ def test_the_hosts_copy_of_the_mask_is_the_mask(random_pair, monkeypatch):
 @pytest.mark.parametrize("lossy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t", [1, 3])
-def test_grouped_attention_is_the_attention(dtype, t, lossy):
-    """leanllama.attend (in bf16 on a CPU, the query heads of a key head as one block: in a one-token step,
-    and at any width for a drafter) against float64 attention with every key head repeated: close, and
-    bitwise what ATen's own grouped-query call gives where a target's forward asks; masks with holes and
-    two rows, boolean or made additive (as a forward does once for its layers) with the same bits."""
+def test_grouped_attention_is_the_attention(dtype, t, lossy, monkeypatch):
+    """leanllama.attend through ATen (where specviz's C functions do not run; in bf16 on a CPU, the query heads
+    of a key head as one block: in a one-token step, and at any width for a drafter) against float64
+    attention with every key head repeated: close, and bitwise what ATen's own grouped-query call gives where
+    a target's forward asks; masks with holes and two rows, boolean or made additive (as a forward does once
+    for its layers) with the same bits."""
+    from specviz.models import leanllama
     from specviz.models.leanllama import _additive, attend
 
+    monkeypatch.setattr(leanllama, "in_c", lambda x: False)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, t, 16, generator=gen).to(dtype)
     k, v = (torch.randn(2, 2, 11, 16, generator=gen).to(dtype) for _ in range(2))
@@ -148,3 +151,50 @@ def test_grouped_attention_is_the_attention(dtype, t, lossy):
     if not lossy:
         assert torch.equal(got, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                                  enable_gqa=True))
+
+
+@pytest.mark.parametrize("dim", [64, 24])
+def test_the_c_attention_gives_a_query_the_same_bits_wherever_its_keys_lie(dim):
+    """native.attend_bf16 (bf16 attention on a CPU): close to float64; and a query's output is bitwise the same
+    alone in a one-token call over just the keys it sees, with those keys spread over other slots among
+    keys it does not see (a tree node's ancestors), in a batch row, and read through strided caches (the
+    EAGLE head's); an empty row gives zeros; attend() routes bf16 there, boolean or additive mask alike.
+    ATen's attention fails the layout part (it blocks and reduces keys by slot)."""
+    from specviz.models import native
+    from specviz.models.leanllama import _additive, attend, in_c
+
+    if not native.runs_here():
+        pytest.skip("specviz's C functions do not run here")
+    gen = torch.Generator().manual_seed(0)
+    B, H, KV, t, L = 2, 6, 2, 5, 40
+    q = torch.randn(B, H, t, dim, generator=gen).bfloat16()
+    k, v = (torch.randn(B, KV, L, dim, generator=gen).bfloat16() for _ in range(2))
+    mask = torch.rand(B, 1, t, L, generator=gen) > 0.4
+    mask[1, 0, 2] = False  # a query that sees nothing
+    got = native.attend_bf16(q, k, v, mask)
+    with torch.no_grad():  # a forward's conditions (where gradients flow, ATen's attention runs)
+        assert in_c(q)
+        assert torch.equal(attend(q, k, v, mask), got) and torch.equal(attend(q, k, v, _additive(mask, q.dtype)), got)
+    assert torch.equal(got[1, :, 2], torch.zeros(H, dim, dtype=torch.bfloat16))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask)
+    ref[1, :, 2] = 0
+    torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=0)
+    for b in range(B):
+        for i in range(t):
+            seen = mask[b, 0, i].nonzero()[:, 0]
+            if not len(seen):
+                continue
+            # the seen keys at other slots: every other slot of a longer cache, junk between them
+            spread = 2 * torch.arange(len(seen)) + 1
+            k2, v2 = (torch.randn(1, KV, 2 * len(seen) + 3, dim, generator=gen).bfloat16() for _ in range(2))
+            k2[0, :, spread], v2[0, :, spread] = k[b, :, seen], v[b, :, seen]
+            row = torch.zeros(1, 1, 1, k2.shape[2], dtype=torch.bool)
+            row[..., spread] = True
+            alone = native.attend_bf16(q[b : b + 1, :, i : i + 1], k2, v2, row)
+            assert torch.equal(alone[0, :, 0], got[b, :, i]), (b, i)
+    strided_k, strided_v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))  # [B, L, KV, D] memory
+    assert not strided_k.is_contiguous()
+    assert torch.equal(native.attend_bf16(q, strided_k, strided_v, mask[:, 0]), got)
+    with pytest.raises(TypeError):
+        native.attend_bf16(q.float(), k, v, mask)
