@@ -348,6 +348,16 @@ INLINE __m256 load8_bf16(const uint16_t *p)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
+/* The first min(count, 8) of p as float32, zeros after (a head dimension that is not a multiple of 8). */
+INLINE __m256 load_bf16(const uint16_t *p, int64_t count)
+{
+    if (count >= 8)
+        return load8_bf16(p);
+    uint16_t part[8] = {0};
+    memcpy(part, p, sizeof(uint16_t) * (size_t)count);
+    return load8_bf16(part);
+}
+
 INLINE float sum8(__m256 v) /* one fixed order: halves, then pairs, then the last two */
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -356,16 +366,16 @@ INLINE float sum8(__m256 v) /* one fixed order: halves, then pairs, then the las
 }
 
 #define MAX_REP 16     /* query heads per key head */
-#define MAX_DIM 256    /* head dimension, a multiple of 8 */
+#define MAX_DIM 256    /* head dimension */
 
-/* One work item: rep query heads of key head g at query i of batch row b (chunks = D / 8: a constant where
-   it is inlined, so the accumulators stay in registers). seen: scratch for L slot numbers; e: for rep rows
-   of L + 8 scores. */
+/* One work item: rep query heads of key head g at query i of batch row b, over a head dimension of D (a
+   constant where it is inlined, so the accumulators stay in registers; the last chunk of 8 zero-padded).
+   seen: scratch for L slot numbers; e: for rep rows of L + 8 scores. */
 INLINE void attend_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *row, uint16_t *out,
-                        int64_t L, int64_t rep, int64_t chunks, int64_t sm2, const int64_t *sk, const int64_t *sv,
+                        int64_t L, int64_t rep, int64_t D, int64_t sm2, const int64_t *sk, const int64_t *sv,
                         int64_t sq1, int64_t so1, float scale, int *seen, float *e)
 {
-    const int64_t D = 8 * chunks;
+    const int64_t chunks = (D + 7) / 8, Dp = 8 * chunks;
     int n = 0;
     for (int64_t j = 0; j < L; j++)
         if (row[j * sm2])
@@ -374,14 +384,14 @@ INLINE void attend_item(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     float qf[MAX_REP * MAX_DIM] __attribute__((aligned(32)));
     for (int64_t r = 0; r < rep; r++)
         for (int64_t c = 0; c < chunks; c++)
-            _mm256_store_ps(qf + r * D + 8 * c, load8_bf16(q + r * sq1 + 8 * c));
+            _mm256_store_ps(qf + r * Dp + 8 * c, load_bf16(q + r * sq1 + 8 * c, D - 8 * c));
     /* scores: e[r][m] = (q_r . k_seen[m]) * scale */
     for (int m = 0; m < n; m++) {
         const uint16_t *kr = k + (int64_t)seen[m] * sk[2];
         for (int64_t r = 0; r < rep; r++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t c = 0; c < chunks; c++)
-                acc = _mm256_fmadd_ps(_mm256_load_ps(qf + r * D + 8 * c), load8_bf16(kr + 8 * c), acc);
+                acc = _mm256_fmadd_ps(_mm256_load_ps(qf + r * Dp + 8 * c), load_bf16(kr + 8 * c, D - 8 * c), acc);
             e[r * (L + 8) + m] = sum8(acc) * scale;
         }
     }
@@ -408,14 +418,14 @@ INLINE void attend_item(const uint16_t *q, const uint16_t *k, const uint16_t *v,
             const uint16_t *vr = v + (int64_t)seen[m] * sv[2];
             __m256 p = _mm256_set1_ps(er[m]);
             for (int64_t c = 0; c < chunks; c++)
-                acc[c] = _mm256_fmadd_ps(p, load8_bf16(vr + 8 * c), acc[c]);
+                acc[c] = _mm256_fmadd_ps(p, load_bf16(vr + 8 * c, D - 8 * c), acc[c]);
         }
         __m256 inv = _mm256_set1_ps(n ? 1.0f / sum8(sum) : 0.0f);
         uint16_t *o = out + r * so1;
         float tmp[8];
         for (int64_t c = 0; c < chunks; c++) {
             _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[c], inv));
-            for (int d = 0; d < 8; d++)
+            for (int64_t d = 0; d < 8 && 8 * c + d < D; d++)
                 o[8 * c + d] = to_bf16(tmp[d]);
         }
     }
@@ -442,9 +452,9 @@ void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
             const uint8_t *row = mask + b * sm[0] + i * sm[1];
             uint16_t *oi = out + b * so[0] + g * rep * so[1] + i * so[2];
             if (D == 64)
-                attend_item(qi, kb, vb, row, oi, L, rep, 8, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
+                attend_item(qi, kb, vb, row, oi, L, rep, 64, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
             else
-                attend_item(qi, kb, vb, row, oi, L, rep, D / 8, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
+                attend_item(qi, kb, vb, row, oi, L, rep, D, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
         }
         free(seen);
         free(e);

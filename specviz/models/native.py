@@ -124,7 +124,7 @@ def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attends(heads: int, kv_heads: int, dim: int) -> bool:
     """Whether attend_bf16 takes heads of this shape (gemm_avx2.c: MAX_DIM, MAX_REP)."""
-    return dim % 8 == 0 and dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+    return dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
 
 
 def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,7 @@ def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         raise TypeError(f"attend_bf16 needs bfloat16 q, k, v and a bool mask, got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}, {mask.dtype}")
     if not attends(heads, kv_heads, dim) or v.shape != k.shape:
-        raise ValueError(f"attend_bf16 takes heads of at most 256 (a multiple of 8), at most 16 query heads per "
+        raise ValueError(f"attend_bf16 takes heads of at most 256 dimensions, at most 16 query heads per "
                          f"key head: got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
