@@ -99,6 +99,15 @@ def test_the_verdicts_fail_where_they_should(pattern_pair):
     parted[0].events[-1].extra.id += 1
     assert check.judge(case, f32, runs, parted, None, 0.0) == ("differs", ["batch rows = alone 1/2",
                                                                          "first round exact: max|emitted−p| 0.0e+00"])
+    # every row computed alone (row_alone): judged bit for bit in bfloat16 too
+    assert check.judge(case, bf16, runs, runs, runs, None, alone=True) == (
+        "ok", ["greedy = plain decoding 2/2", "batch rows = alone 2/2",
+               "judged bit for bit (every row computed alone)"])
+    assert check.judge(case, bf16, runs, runs, swapped, None, alone=True)[0] == "failed"
+    assert check.judge(case, bf16, runs, parted, None, 0.0, alone=True)[0] == "failed"
+    moved = copy.deepcopy(runs)
+    moved[0].events[drafted].drafted[0].q *= 1 - 1e-7
+    assert check.judge(case, bf16, runs, moved, None, 0.0, alone=True)[0] == "failed"
     broken = copy.deepcopy(runs)
     broken[0].events[-1].extra.p = math.nan
     assert check.judge(case, f32, broken, broken, None, 0.0)[0] == "failed"

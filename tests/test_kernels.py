@@ -527,6 +527,7 @@ def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_in
     from specviz.models import native
     from specviz.models.eagle import EagleHead, HeadConfig
     from specviz.models.loading import load_pair
+    from specviz.tools import check
 
     if not native.runs_here():
         pytest.skip("specviz's C functions do not run here")
@@ -551,4 +552,10 @@ def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_in
         assert [ps(r) for r in alone] == [ps(r) for r in plain]  # the same bits, not only the same argmax
         batch = generate_batch(pair, [""] * 3, settings, prompts_ids=prompts)
         assert [ps(r) for r in batch] == [ps(r) for r in alone]
-    assert {p for lin in LeanLlama.of(pair.target).linears() for p in lin.paths.values()} == {"avx2"}
+    lean = LeanLlama.of(pair.target)
+    assert {p for lin in lean.linears() for p in lin.paths.values()} == {"avx2"}
+    # what `specviz check` reads off the run: every row computed alone here, not with another cache or product
+    static, dynamic = (check.Case("eagle", 3, 2, 4, cache, False, 0.0) for cache in ("static", "dynamic"))
+    assert check.row_alone(pair, static) and not check.row_alone(pair, dynamic)
+    monkeypatch.setitem(lean.head.paths, 7, "linear")  # ATen's product at one more row count
+    assert not check.row_alone(pair, static)

@@ -17,7 +17,9 @@ Another row count may take another kernel, whose sums round apart: in the last b
 by up to a bfloat16 step of the logits (several percent of a probability) in bfloat16. That moves
 sampled draws that lie near a boundary and, in reduced precision, near ties, so texts that part
 with their numbers within rounding are reported as `differs`, not failed; in float32 greedy text
-must equal plain decoding's, and in reduced precision the gaps are shown, not judged. Each case
+must equal plain decoding's, and in reduced precision the gaps are shown, not judged, except where
+every number is computed row by row alone (`row_alone`: bfloat16 attention in specviz's C kernel and
+each product through paths of one `bits` family at every row count): there any difference fails. Each case
 also reports its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager
 cases only), the warnings it raised (a compiled forward falling back to eager, for one) and how
 often inductor ran a compiled graph without CUDA graphs. No timings here: `bench` measures.
@@ -37,7 +39,8 @@ from torch._dynamo.utils import counters
 
 from ..core.events import Run
 from ..core.generator import Settings, encode_prompts, generate, generate_batch
-from ..models import kernels
+from ..models import kernels, native
+from ..models.leanllama import LeanLlama
 from ..models.loading import ModelPair
 from ..view.rendering import first_difference
 from .lossless import exact_check
@@ -118,6 +121,29 @@ def _quantized(pair: ModelPair) -> bool:
     return any(kernels.PATHS[name].numbers == "int8" for lin in linears for name in lin.paths.values())
 
 
+def row_alone(pair: ModelPair, case: Case) -> bool:
+    """Whether the case's numbers were all computed row by row alone, after it ran (the paths are chosen as row
+    counts come): the static cache, eager, in bfloat16 on a CPU, attention through specviz's C kernel (a query's
+    bits from the keys it sees alone, leanllama.attend), and every product of the target and of the drafter
+    through paths of one `bits` family at every row count it took. Then a verify row, a tree node and a batch
+    row carry the bits of the plain step and of the prompt alone, and any difference is a bug."""
+    if (case.cache, case.compiled, pair.dtype, pair.device.type) != ("static", False, torch.bfloat16, "cpu") \
+            or not native.runs_here():
+        return False
+    leans = [LeanLlama.of(m) for m in (pair.target, pair.draft if case.drafter == "model" else None)
+             if m is not None and LeanLlama.supports(m)]
+    if len(leans) < 1 + (case.drafter == "model"):
+        return False
+    heads = [(lean.heads, lean.kv_heads, lean.head_dim) for lean in leans]
+    linears = [lin for lean in leans for lin in lean.linears()]
+    if "eagle" in case.drafter and pair.head is not None:
+        c = pair.head.config
+        heads.append((c.heads, c.kv_heads, c.head_dim))
+        linears += pair.head.lean_linears().values()
+    families = [{kernels.PATHS[name].bits for name in lin.paths.values()} for lin in linears if lin.paths]
+    return all(native.attends(*h) for h in heads) and all(len(f) == 1 and "" not in f for f in families)
+
+
 def gap(a: Run, b: Run) -> tuple[float, float]:
     """The largest relative gaps between the p, and between the q, both runs recorded for the same token,
     up to the round where their tokens part ((0, 0) for two identical runs)."""
@@ -134,16 +160,16 @@ def gap(a: Run, b: Run) -> tuple[float, float]:
 
 
 def judge(case: Case, dtype: torch.dtype, singles: list[Run], batch: list[Run], plain: list[Run] | None,
-          exact_diff: float | None, quantized: bool = False) -> tuple[str, list[str]]:
+          exact_diff: float | None, quantized: bool = False, alone: bool = False) -> tuple[str, list[str]]:
     """(status, checks) of one case from its runs (module docstring); `quantized`: the drafter's products
-    went through int8."""
+    went through int8; `alone`: every number was computed row by row alone (row_alone), so judged bit for bit."""
     failed, differs, checks = False, False, []
     if plain is not None:  # greedy
         parts = [first_difference(s.token_ids, p.token_ids) for s, p in zip(singles, plain, strict=True)]
         apart = [at for at in parts if at is not None]
         checks.append(f"greedy = plain decoding {len(parts) - len(apart)}/{len(parts)}"
                       + (f" (first difference at token {min(apart)})" if apart else ""))
-        failed |= bool(apart) and dtype in GAP
+        failed |= bool(apart) and (dtype in GAP or alone)
         differs |= bool(apart)
     same = sum(b.token_ids == s.token_ids for b, s in zip(batch, singles, strict=True))
     gaps = [gap(b, s) for b, s in zip(batch, singles, strict=True)]
@@ -154,6 +180,9 @@ def judge(case: Case, dtype: torch.dtype, singles: list[Run], batch: list[Run], 
         checks[-1] += " (beyond rounding: the batch computes other numbers)"
         failed = True
     differs |= same < len(batch)
+    if alone:
+        checks.append("judged bit for bit (every row computed alone)")
+        failed |= differs or p_gap > 0 or q_gap > 0
     if exact_diff is not None:
         checks.append(f"first round exact: max|emitted−p| {exact_diff:.1e}")
         failed |= not exact_diff <= EXACT
@@ -187,7 +216,7 @@ def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: in
             greedy = case.temperature == 0
             diff = None if greedy else exact_check(pair, prompts[0], replace(settings, compile=False)).max_diff
             status, checks = judge(case, pair.dtype, singles, batch, plain(case) if greedy else None, diff,
-                                   _quantized(pair) and "eagle" in case.drafter)
+                                   _quantized(pair) and "eagle" in case.drafter, row_alone(pair, case))
         if counters["inductor"]["cudagraph_skips"] > skips:  # inductor ran a compiled graph without CUDA graphs
             checks.append(f"CUDA graphs skipped {counters['inductor']['cudagraph_skips'] - skips} times "
                           "(TORCH_LOGS=cudagraphs says why)")
