@@ -528,6 +528,7 @@ def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_in
     from specviz.models.eagle import EagleHead, HeadConfig
     from specviz.models.loading import load_pair
     from specviz.tools import check
+    from specviz.tools.cli import _bit_for_bit
 
     if not native.runs_here():
         pytest.skip("specviz's C functions do not run here")
@@ -557,5 +558,9 @@ def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_in
     # what `specviz check` reads off the run: every row computed alone here, not with another cache or product
     static, dynamic = (check.Case("eagle", 3, 2, 4, cache, False, 0.0) for cache in ("static", "dynamic"))
     assert check.row_alone(pair, static) and not check.row_alone(pair, dynamic)
+    assert _bit_for_bit(pair).startswith("bit for bit: yes")  # what `specviz kernels` says in bf16
     monkeypatch.setitem(lean.head.paths, 7, "linear")  # ATen's product at one more row count
     assert not check.row_alone(pair, static)
+    said = _bit_for_bit(pair)
+    assert said.startswith("bit for bit: no") and f"{kernels.shape_key(lean.head.weight)} takes " in said
+    assert "linear at 7 rows" in said
