@@ -266,13 +266,16 @@ class LeanLayer(nn.Module):
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         h = rms_norm(x, self.norm1.weight, self.eps)
         qkv = self.qkv(h, packed).view(batch, t, H + 2 * KV, D)  # [B, t, heads of q, k and v, D]
-        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
-        if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
-            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], 2)
-        qk = rotate(qk, cos, sin).transpose(1, 2)  # q and k at once; [B, H + KV, t, D]
-        q, k, v = qk[:, :H], qk[:, H:], v.transpose(1, 2)
-        k_cache.index_copy_(2, slots, k)
-        v_cache.index_copy_(2, slots, v)
+        if in_c(qkv) and self.q_norm is None:  # RoPE and the cache writes in one call, the same bits
+            q = native.rope_store_bf16(qkv, cos, sin, slots, k_cache, v_cache, H)
+        else:
+            qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
+            if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
+                qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], 2)
+            qk = rotate(qk, cos, sin).transpose(1, 2)  # q and k at once; [B, H + KV, t, D]
+            q, k, v = qk[:, :H], qk[:, H:], v.transpose(1, 2)
+            k_cache.index_copy_(2, slots, k)
+            v_cache.index_copy_(2, slots, v)
         o = attend(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)  # [B, H, t, D]
         x = x + self.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
         h = rms_norm(x, self.norm2.weight, self.eps)

@@ -96,6 +96,8 @@ def library() -> ctypes.CDLL:
     lib.specviz_rms_bf16.restype = None
     lib.specviz_attend_bf16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float]  # q, k, v, mask, out, dims, strides
     lib.specviz_attend_bf16.restype = None
+    lib.specviz_rope_store_bf16.argtypes = [ctypes.c_void_p] * 8  # qkv, cos, sin, slots, q, k and v caches, dims
+    lib.specviz_rope_store_bf16.restype = None
     return lib
 
 
@@ -153,6 +155,28 @@ def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     library().specviz_attend_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(),
                                   dims, strides, dim ** -0.5)
     return out
+
+
+def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+    """A layer's step after its fused projection, in one call: qkv [B, t, H + 2 KV, D] (bfloat16) -> q [B, H, t, D]
+    rotated (a view of [B, t, H, D]), with k rotated and v written to the caches [B, KV, capacity, D] at `slots`
+    [t]; cos, sin: [B, t, D] or [B, t, 1, D]. The bits of leanllama.rotate and index_copy_ (gemm_avx2.c,
+    specviz_rope_store_bf16)."""
+    batch, t, all_heads, dim = qkv.shape
+    kv_heads = (all_heads - heads) // 2
+    tensors = (qkv, cos, sin, k_cache, v_cache)
+    if any(x.dtype != torch.bfloat16 or not x.is_contiguous() for x in tensors) or slots.dtype != torch.int64 \
+            or k_cache.shape != (batch, kv_heads, k_cache.shape[2], dim) or v_cache.shape != k_cache.shape \
+            or cos.numel() != batch * t * dim or dim % 2:
+        raise ValueError("rope_store_bf16 needs contiguous bfloat16 qkv [B, t, H + 2 KV, D], cos and sin [B, t, D], "
+                         "caches [B, KV, capacity, D] and int64 slots")
+    q = torch.empty(batch, t, heads, dim, dtype=torch.bfloat16)
+    slots = slots.contiguous()
+    dims = (ctypes.c_int64 * 6)(batch, t, heads, kv_heads, dim, k_cache.shape[2])
+    library().specviz_rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
+                                      k_cache.data_ptr(), v_cache.data_ptr(), dims)
+    return q.transpose(1, 2)
 
 
 def _padded(weight: torch.Tensor, columns: int, k: int, dtype: torch.dtype) -> torch.Tensor:
