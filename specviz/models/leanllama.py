@@ -154,9 +154,10 @@ def _fused(*linears: nn.Linear) -> Linear:
 def in_c(x: torch.Tensor) -> bool:
     """Whether bfloat16 work on x goes through specviz's C functions: an RMSNorm in one call (native.rms_bf16:
     transformers' roundings, only the sum of squares in another order), where eight small ATen operations
-    cost more than the norm's arithmetic, and attention (native.attend_bf16, see `attend`). bfloat16 on a
-    CPU; not while compiling (inductor fuses the operations itself), not where gradients flow, and not where
-    the library does not run."""
+    cost more than the norm's arithmetic, attention (native.attend_bf16, see `attend`), and RoPE with the
+    cache writes (native.rope_store_bf16, ATen's roundings). bfloat16 on a CPU; not while compiling
+    (inductor fuses the operations itself), not where gradients flow, and not where the library does not
+    run."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and native.runs_here())
 

@@ -165,14 +165,14 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
     specviz_rope_store_bf16)."""
     batch, t, all_heads, dim = qkv.shape
     kv_heads = (all_heads - heads) // 2
-    tensors = (qkv, cos, sin, k_cache, v_cache)
+    qkv, cos, sin, slots = qkv.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous()
+    tensors = (qkv, cos, sin, k_cache, v_cache)  # the caches are written in place: they must be contiguous
     if any(x.dtype != torch.bfloat16 or not x.is_contiguous() for x in tensors) or slots.dtype != torch.int64 \
             or k_cache.shape != (batch, kv_heads, k_cache.shape[2], dim) or v_cache.shape != k_cache.shape \
             or cos.numel() != batch * t * dim or dim % 2:
         raise ValueError("rope_store_bf16 needs contiguous bfloat16 qkv [B, t, H + 2 KV, D], cos and sin [B, t, D], "
                          "caches [B, KV, capacity, D] and int64 slots")
     q = torch.empty(batch, t, heads, dim, dtype=torch.bfloat16)
-    slots = slots.contiguous()
     dims = (ctypes.c_int64 * 6)(batch, t, heads, kv_heads, dim, k_cache.shape[2])
     library().specviz_rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
                                       k_cache.data_ptr(), v_cache.data_ptr(), dims)
