@@ -4,6 +4,8 @@ import os
 import re
 import shutil
 import socket
+import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -360,7 +362,14 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         assert "draws in" not in page.locator("#lossless-status").inner_text()  # it never finished
         started = page.evaluate("performance.now()")
         page.locator("#run-btn").click()  # the device is free: the run starts, and ends
-        page.wait_for_function("!/Speedup/.test(document.querySelector('#status').innerText)", timeout=120_000)
+        try:
+            page.wait_for_function("!/Speedup/.test(document.querySelector('#status').innerText)", timeout=120_000)
+        except Exception as err:  # where the server's threads are (it runs in this process), for the next reader
+            stacks = "\n".join(f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
+                               for ident, frame in sys._current_frames().items())
+            raise AssertionError(f"the run did not start within 120 s of Stop; status: "
+                                 f"{page.locator('#status').inner_text()!r}; lossless: "
+                                 f"{page.locator('#lossless-status').inner_text()!r}\n{stacks}") from err
         begun = page.evaluate("performance.now()")
         page.locator("#status :text('Speedup')").wait_for(timeout=300_000)
         print(f"\nStop during Sample N: {settled} update(s) after Stop, the first {late} ms after it; the next "
