@@ -200,21 +200,23 @@ def test_the_c_attention_gives_a_query_the_same_bits_wherever_its_keys_lie(dim):
         native.attend_bf16(q.float(), k, v, mask)
 
 
-def test_the_rope_and_cache_call_gives_the_bits_of_rotate_and_index_copy():
+@pytest.mark.parametrize("t", [3, 40])
+def test_the_rope_and_cache_call_gives_the_bits_of_rotate_and_index_copy(t):
     """native.rope_store_bf16 (a bf16 layer's step after its projection, on a CPU): q rotated, k rotated and v
     written at the given slots, bitwise what leanllama.rotate and index_copy_ give (ATen's roundings: each
-    product rounded to bfloat16, then the sum); other slots untouched; float32 refused."""
+    product rounded to bfloat16, then the sum); other slots untouched; float32 refused. 80 rows: the rows
+    shared among threads."""
     from specviz.models import native
     from specviz.models.leanllama import rotate
 
     if not native.runs_here():
         pytest.skip("specviz's C functions do not run here")
     gen = torch.Generator().manual_seed(0)
-    B, t, H, KV, D, C = 2, 3, 6, 2, 12, 10
+    B, H, KV, D, C = 2, 6, 2, 12, 50
     qkv = torch.randn(B, t, H + 2 * KV, D, generator=gen).bfloat16()
     angle = torch.randn(B, t, D, generator=gen) * 3
     cos, sin = angle.cos().bfloat16()[:, :, None], angle.sin().bfloat16()[:, :, None]  # [B, t, 1, D], as a forward
-    slots = torch.tensor([7, 2, 5])
+    slots = torch.randperm(C, generator=gen)[:t]
     k_ours, v_ours = (torch.randn(B, KV, C, D, generator=gen).bfloat16() for _ in range(2))
     k_ref, v_ref = k_ours.clone(), v_ours.clone()
     q = native.rope_store_bf16(qkv, cos, sin, slots, k_ours, v_ours, H)

@@ -465,30 +465,32 @@ void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
    (specviz_rope_store_bf16), with ATen's roundings (bitwise what leanllama.rotate and index_copy_ give):
    each of x * cos and rotate_half(x) * sin rounded to bfloat16, then their sum. qkv: [B, t, H + 2 KV, D]
    (the fused projection's output), cos and sin: [B, t, D]; q_out: [B, t, H, D]; k_cache and v_cache:
-   [B, KV, capacity, D]; slots: t slot numbers (int64). Row by row, on the calling thread: a step is a
-   few thousand numbers. */
+   [B, KV, capacity, D]; slots: t slot numbers (int64). Row by row: on the calling thread for a step or a
+   verify (a few thousand numbers, less than starting threads costs), shared among OpenMP threads from 64
+   rows on (a prefill, a sampled batch), which does not change any row's bits. */
 void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                              uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, const int64_t *dims)
 {
     const int64_t B = dims[0], T = dims[1], H = dims[2], KV = dims[3], D = dims[4], C = dims[5], half = D / 2;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < T; i++) {
-            const uint16_t *row = qkv + (b * T + i) * (H + 2 * KV) * D, *c = cos + (b * T + i) * D,
-                           *s = sin + (b * T + i) * D;
-            for (int64_t h = 0; h < H + 2 * KV; h++) {
-                const uint16_t *x = row + h * D;
-                uint16_t *out = h < H ? q_out + ((b * T + i) * H + h) * D
-                                      : (h < H + KV ? k_cache : v_cache)
-                                            + ((b * KV + (h - H) % KV) * C + slots[i]) * D;
-                if (h >= H + KV) { /* values: stored as they are */
-                    memcpy(out, x, sizeof(uint16_t) * (size_t)D);
-                    continue;
-                }
-                for (int64_t d = 0; d < D; d++) {
-                    float turned = d < half ? -from_bf16(x[d + half]) : from_bf16(x[d - half]);
-                    out[d] = to_bf16(from_bf16(to_bf16(from_bf16(x[d]) * from_bf16(c[d])))
-                                     + from_bf16(to_bf16(turned * from_bf16(s[d]))));
-                }
+#pragma omp parallel for schedule(static) if (B * T >= 64)
+    for (int64_t bi = 0; bi < B * T; bi++) {
+        const int64_t b = bi / T, i = bi % T;
+        const uint16_t *row = qkv + (b * T + i) * (H + 2 * KV) * D, *c = cos + (b * T + i) * D,
+                       *s = sin + (b * T + i) * D;
+        for (int64_t h = 0; h < H + 2 * KV; h++) {
+            const uint16_t *x = row + h * D;
+            uint16_t *out = h < H ? q_out + ((b * T + i) * H + h) * D
+                                  : (h < H + KV ? k_cache : v_cache)
+                                        + ((b * KV + (h - H) % KV) * C + slots[i]) * D;
+            if (h >= H + KV) { /* values: stored as they are */
+                memcpy(out, x, sizeof(uint16_t) * (size_t)D);
+                continue;
+            }
+            for (int64_t d = 0; d < D; d++) {
+                float turned = d < half ? -from_bf16(x[d + half]) : from_bf16(x[d - half]);
+                out[d] = to_bf16(from_bf16(to_bf16(from_bf16(x[d]) * from_bf16(c[d])))
+                                 + from_bf16(to_bf16(turned * from_bf16(s[d]))));
             }
         }
+    }
 }
