@@ -121,6 +121,12 @@ def _quantized(pair: ModelPair) -> bool:
     return any(kernels.PATHS[name].numbers == "int8" for lin in linears for name in lin.paths.values())
 
 
+def one_family(lin) -> bool:
+    """Whether a product took paths of one row-invariant `bits` family at every row count it ran (or ran none)."""
+    families = {kernels.PATHS[name].bits for name in lin.paths.values()}
+    return len(families) <= 1 and "" not in families
+
+
 def row_alone(pair: ModelPair, case: Case) -> bool:
     """Whether the case's numbers were all computed row by row alone, after it ran (the paths are chosen as row
     counts come): the static cache, eager, in bfloat16 on a CPU, attention through specviz's C kernel (a query's
@@ -140,8 +146,7 @@ def row_alone(pair: ModelPair, case: Case) -> bool:
         c = pair.head.config
         heads.append((c.heads, c.kv_heads, c.head_dim))
         linears += pair.head.lean_linears().values()
-    families = [{kernels.PATHS[name].bits for name in lin.paths.values()} for lin in linears if lin.paths]
-    return all(native.attends(*h) for h in heads) and all(len(f) == 1 and "" not in f for f in families)
+    return all(native.attends(*h) for h in heads) and all(one_family(lin) for lin in linears)
 
 
 def gap(a: Run, b: Run) -> tuple[float, float]:

@@ -328,7 +328,7 @@ def _bit_for_bit(pair) -> str:
     over the row counts the forwards above took), and if not, which products mix kernels across row counts."""
     from ..models import kernels
     from ..models.leanllama import LeanLlama
-    from .check import Case, row_alone
+    from .check import Case, one_family, row_alone
 
     if row_alone(pair, Case("lookup", 2, 1, 0, "static", False, 0.0)):
         return ("bit for bit: yes. Every product of the target takes one family of specviz's row-invariant kernels at "
@@ -336,8 +336,7 @@ def _bit_for_bit(pair) -> str:
                 "steps' bits, so greedy speculation decodes plain decoding's tokens exactly (the static cache)")
     mixed = {}  # shape -> its paths by row count, where they are not one row-invariant family
     for lin in LeanLlama.of(pair.target).linears():
-        families = {kernels.PATHS[name].bits for name in lin.paths.values()}
-        if len(families) > 1 or "" in families:
+        if not one_family(lin):
             by_path: dict[str, list[str]] = {}
             for rows, name in sorted(lin.paths.items()):
                 by_path.setdefault(name, []).append(str(rows))
