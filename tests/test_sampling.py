@@ -70,6 +70,9 @@ def test_greedy_is_argmax_agreement():
     logits = torch.tensor([[0.1, 2.0, 0.3], [1.0, 0.0, 0.5]])
     p = logits_to_probs(logits, SamplingParams(0.0))
     assert p.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    # the decoder passes the argmax it has already: the same one-hot rows, from that argmax
+    assert logits_to_probs(logits, SamplingParams(0.0), logits.argmax(-1)).tolist() == p.tolist()
+    assert logits_to_probs(logits, SamplingParams(0.0), torch.tensor([2, 1])).tolist() == [[0, 0, 1], [0, 1, 0]]
     q = logits_to_probs(torch.tensor([[0.0, 3.0, 0.0]]), SamplingParams(0.0))
     kept = accept_or_resample(p, q, torch.tensor([1]), None, greedy=True)
     assert (kept.n_accepted, kept.next_token, kept.u) == (1, 0, [None])

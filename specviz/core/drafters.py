@@ -244,8 +244,9 @@ class EagleDrafter:
         rows, (lengths, drafting) = len(seqs), on_device([cache.lengths, gammas], device)  # [B] each: entries, γ
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
         seen = (cache.slot_index < lengths[:, None])[:, None]
-        # per level: [B, n] ids (on the head's vocabulary), parents, log scores; [B, n, N] logits, q
-        tokens, parents, scores, node_logits, node_q = [], [], [], [], []
+        # per level: [B, n] ids (on the head's vocabulary), parents, log scores, [B, n, N] q; [B, f, N] logits of
+        # the fed nodes, and each node's fed node (its parent) among all levels' (a node's logits are its parent's)
+        tokens, parents, scores, node_q, fed_logits, fed_of = [], [], [], [], [], []
         fed_score = torch.zeros(rows, 1, device=device)
         beam_ids = torch.full((rows, 1), -1, dtype=torch.long, device=device)  # node index of each fed node
         logits = at_least_float32(logits)[:, None]  # [B, f, N]: the fed nodes' (first, the root's)
@@ -266,7 +267,8 @@ class EagleDrafter:
             tokens.append(picks.flatten(1))
             parents.append(beam_ids[:, :, None].expand(-1, -1, kk).flatten(1))
             scores.append((fed_score[:, :, None] + logp).flatten(1))
-            node_logits.append(logits[:, :, None].expand(-1, -1, kk, -1).flatten(1, 2))
+            fed_of += [sum(x.shape[1] for x in fed_logits) + j // kk for j in range(logits.shape[1] * kk)]
+            fed_logits.append(logits)
             if sampled:  # chosen nodes get one-hot rows in _proposals: no [B, f·k, N] copy per level
                 node_q.append(child_q.flatten(1, 2))
             if level == depth:
@@ -288,16 +290,17 @@ class EagleDrafter:
             h, logits = self.head.step(cache, self.head.draft_ids[tokens[-1].gather(1, beam)], g, slots,
                                        positions, visible=seen)
             logits = at_least_float32(logits)
-        return self._proposals(gammas, tokens, parents, scores, node_logits, node_q if sampled else None)
+        return self._proposals(gammas, tokens, parents, scores, torch.cat(fed_logits, 1), fed_of,
+                               node_q if sampled else None)
 
-    def _proposals(self, gammas, tokens, parents, scores, node_logits, node_q) -> list[Proposal]:
+    def _proposals(self, gammas, tokens, parents, scores, fed_logits, fed_of, node_q) -> list[Proposal]:
         """Per row: the `nodes` likeliest nodes no deeper than its γ, in level order (parents first),
         with full-vocabulary q (what each node was drawn from; one-hot where node_q is None, the nodes
-        chosen) and logits (-inf outside the head's vocabulary)."""
+        chosen) and logits (-inf outside the head's vocabulary): node j's are its fed node's, fed_logits[:, fed_of[j]]
+        ([B, F, N], F fed nodes: each level's logits once, not once per child)."""
         draft_ids, V = self.head.draft_ids, self.vocab_size
         depth = [level + 1 for level, t in enumerate(tokens) for _ in range(t.shape[1])]  # [M]
         tokens, parents, scores = (torch.cat(x, 1) for x in (tokens, parents, scores))
-        node_logits = torch.cat(node_logits, 1)  # [B, M, N]
         node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
         # one read for all rows: each node's parent, log score (to rank) and probability (shown), [B][3][M]
         host = torch.stack([parents.double(), scores.double(), scores.exp().double()], 1).tolist()
@@ -314,15 +317,15 @@ class EagleDrafter:
             renumber = {old: new for new, old in enumerate(keep)}
             row_parents = [renumber[int(node_parents[j])] if node_parents[j] >= 0 else -1 for j in keep]
             keep_scores = [node_probs[j] for j in keep]
-            keep = on_device(keep, tokens.device, torch.long)
+            keep, fed = on_device([keep, [fed_of[j] for j in keep]], tokens.device, torch.long)
             ids = draft_ids[tokens[row, keep]]
-            logits_full = node_logits.new_full((budget, V), -math.inf)
-            logits_full[:, draft_ids] = node_logits[row, keep]
+            logits_full = fed_logits.new_full((budget, V), -math.inf)
+            logits_full.index_copy_(1, draft_ids, fed_logits[row, fed])
             if node_q is None:  # chosen: one-hot
-                q_full = node_logits.new_zeros(budget, V).scatter_(1, ids[:, None], 1.0)
+                q_full = fed_logits.new_zeros(budget, V).scatter_(1, ids[:, None], 1.0)
             else:  # drawn: the rule needs the q each was drawn from
-                q_full = node_logits.new_zeros(budget, V)
-                q_full[:, draft_ids] = node_q[row, keep]
+                q_full = fed_logits.new_zeros(budget, V)
+                q_full.index_copy_(1, draft_ids, node_q[row, keep])
             tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
             out.append(Proposal(ids, q_full, logits_full, parents=row_parents if tree else None,
                                 scores=keep_scores if tree else None))

@@ -498,9 +498,9 @@ def decode(
         tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
         base = target.width
         verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
-        p_all = logits_to_probs(verify.logits, params)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
+        best = verify.logits.argmax(-1) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the test
+        p_all = logits_to_probs(verify.logits, params, best)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
         ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
-        best = p_all.argmax(-1) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the rule's test
         bests = [None if best is None else best[i, : g + 1] for i, g in enumerate(drafted)]
         shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
                  for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]

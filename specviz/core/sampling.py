@@ -61,17 +61,19 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, best: torch.Tensor | None = None) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] in float32 (float64 stays float64).
 
     Greedy gives the one-hot distribution of the argmax, so that the acceptance rule below
-    reduces to "keep the draft while it equals the target's argmax". Otherwise the order is
-    HF's: temperature, then top-k, then top-p (keep the smallest set of tokens whose mass
-    reaches top_p; the most likely token always stays).
+    reduces to "keep the draft while it equals the target's argmax" (best [...]: logits.argmax(-1),
+    if the caller has it: over a 49,152-token vocabulary it costs more than the softmax). Otherwise
+    the order is HF's: temperature, then top-k, then top-p (keep the smallest set of tokens whose
+    mass reaches top_p; the most likely token always stays).
     """
     logits = at_least_float32(logits)
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        best = logits.argmax(-1) if best is None else best
+        return torch.zeros_like(logits).scatter_(-1, best[..., None], 1.0)
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

@@ -439,6 +439,7 @@ class LeanCache:
         self.capacity = compiled_capacity(capacity) if compile else capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.stack: torch.Tensor | None = None  # eager: every layer's keys then values, [2 layers, B, ...]
         self.places: list[int] | None = None  # compiled, once rows left: each live row's row in the caches
         self.place_index: torch.Tensor | None = None  # the same, on the device
         self.lease: list = [None]  # compiled: the set held, handed back when this cache is dropped
@@ -452,10 +453,13 @@ class LeanCache:
             self.lease[0] = self.keys, self.values = self.lean.lend(batch, self.capacity, like)
             self.lean.give_back(old)
             self.capacity = self.keys[0].shape[2]
-        else:
+        else:  # views of one tensor, so that `move` and `select` are one operation, not one per cache
             shape = (batch, self.lean.kv_heads, self.capacity, self.lean.head_dim)
-            self.keys = [like.new_zeros(shape) for _ in self.lean.layers]
-            self.values = [like.new_zeros(shape) for _ in self.lean.layers]
+            self._stacked(like.new_zeros((2 * len(self.lean.layers), *shape)))
+
+    def _stacked(self, stack: torch.Tensor) -> None:
+        self.stack, layers = stack, len(self.lean.layers)
+        self.keys, self.values = list(stack[:layers].unbind()), list(stack[layers:].unbind())
 
     def _reserve(self, batch: int, need: int, like: torch.Tensor) -> None:
         """Allocate on first use; batches with holes may outgrow a single run's capacity: double it."""
@@ -525,13 +529,18 @@ class LeanCache:
     def move(self, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy a row's keys and values from slots src to slots dst (a tree's kept path to consecutive slots)."""
         row = row if self.places is None else self.places[row]
+        if self.stack is not None:
+            caches = self.stack[:, row]  # [2 layers, KV, capacity, D]
+            caches.index_copy_(2, dst, caches.index_select(2, src))
+            return
         for cache in self.keys + self.values:
             cache[row, :, dst] = cache[row, :, src]
 
     def select(self, index: torch.Tensor) -> None:
         """Keep these rows (in this order; a row may repeat). Compiled, rows that only leave stay put."""
         if not self.compile or not self.keys:
-            self.keys, self.values = [k[index] for k in self.keys], [v[index] for v in self.values]
+            if self.stack is not None:
+                self._stacked(self.stack[:, index])
             return
         rows = index.tolist()
         if self.places is not None:
