@@ -19,6 +19,7 @@ import gradio as gr
 from specviz.core.generator import HEAD_DRAFTERS, MAX_BRANCH, Settings, compile_by_default, generate
 from specviz.models.loading import PRESETS
 from specviz.ui import handlers, stepping
+from specviz.ui.device import on_device
 from specviz.ui.handlers import preset_changed  # noqa: F401 - part of the app's surface (tests, notebooks)
 from specviz.ui.page import (
     BATCH_SEPARATOR,
@@ -271,6 +272,7 @@ def launch(**kwargs):
     return demo.launch(css=CSS, js=PAGE_JS, show_error=True, **kwargs)
 
 
+@on_device  # the thread that runs the page's model calls (specviz/ui/device.py)
 def warm_up() -> None:
     """Load (on first use, convert) the default pair and run it once, speculative and baseline, so
     the first visitor's first round pays neither for loading nor for the kernels' first calls (nor,

@@ -23,6 +23,7 @@ from ..view.rendering import (
     stream_html,
 )
 from . import stepping
+from .device import on_device
 from .page import (
     BATCH_SEPARATOR,
     CUSTOM,
@@ -40,14 +41,12 @@ from .page import (
 from .stepping import Stepper
 from .view import View, greedy_diff, split_runs
 
-try:  # ZeroGPU on Hugging Face Spaces: borrow a GPU per request; elsewhere a no-op
+try:  # ZeroGPU on Hugging Face Spaces: borrow a GPU per request (its own worker runs the handler)
     import spaces
 
     on_gpu = spaces.GPU(duration=120)
-except ImportError:
-
-    def on_gpu(fn):
-        return fn
+except ImportError:  # elsewhere every model call on one thread (device.py: CUDA graphs are kept per thread)
+    on_gpu = on_device
 
 
 FAILURES = (ValueError, OSError, RuntimeError)  # what a request can do wrong: shown in the page, never raised
