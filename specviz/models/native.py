@@ -166,8 +166,9 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
     batch, t, all_heads, dim = qkv.shape
     kv_heads = (all_heads - heads) // 2
     qkv, cos, sin, slots = qkv.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous()
-    tensors = (qkv, cos, sin, k_cache, v_cache)  # the caches are written in place: they must be contiguous
-    if any(x.dtype != torch.bfloat16 or not x.is_contiguous() for x in tensors) or slots.dtype != torch.int64 \
+    # the caches are written in place, as they are: they must be contiguous already
+    if any(x.dtype != torch.bfloat16 for x in (qkv, cos, sin, k_cache, v_cache)) or slots.dtype != torch.int64 \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
             or k_cache.shape != (batch, kv_heads, k_cache.shape[2], dim) or v_cache.shape != k_cache.shape \
             or cos.numel() != batch * t * dim or dim % 2:
         raise ValueError("rope_store_bf16 needs contiguous bfloat16 qkv [B, t, H + 2 KV, D], cos and sin [B, t, D], "
