@@ -10,6 +10,7 @@ and corrections at known places.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,6 +41,21 @@ def pytest_configure(config):
     if workers > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
         os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_files_under_pytest(tmp_path_factory):
+    """What the tests and the servers they start put in the system's temp folder goes under pytest's own
+    (pytest keeps its last three runs): gradio_client leaves an empty folder there per file it downloads."""
+    folder = tmp_path_factory.mktemp("tmp")
+    before = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir, os.environ["TMPDIR"] = str(folder), str(folder)
+    yield folder
+    tempfile.tempdir = before[0]
+    if before[1] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before[1]
 
 
 UNK, PAD, EOS = 0, 1, 2

@@ -1,5 +1,8 @@
 """The streaming API that the CLI and the app consume: typed updates, a trace, a time limit."""
 
+import subprocess
+import sys
+
 import pytest
 
 from specviz.core.events import load_runs
@@ -68,3 +71,12 @@ def test_time_between_updates_counts_neither_in_the_run_nor_against_the_limit(pa
             pauses += 0.2
     assert pauses >= 0.6 and not update.stopped  # 0.2 s after each round, well past the limit in all
     assert update.spec.decode_ms < 1000 * pauses / 2, update.spec.decode_ms
+
+
+def test_the_apps_trace_folder_is_made_on_first_use_and_removed_at_exit(tmp_path):
+    script = ("import os, sys, tempfile; tempfile.tempdir = sys.argv[1]; from specviz.ui import page; "
+              "assert not os.listdir(sys.argv[1]); folder = page.trace_dir(); assert folder == page.trace_dir(); "
+              "(folder / 'specviz-run-1.json').write_text('[]'); print(folder)")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(tmp_path)) and list(tmp_path.iterdir()) == []

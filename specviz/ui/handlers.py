@@ -31,12 +31,12 @@ from .page import (
     MAX_SAMPLES_UI,
     SERVED,
     TIME_LIMIT_S,
-    TRACE_DIR,
     Page,
     as_int,
     check_request,
     first_run_values,
     split_batch,
+    trace_dir,
 )
 from .stepping import Stepper
 from .view import View, greedy_diff, split_runs
@@ -57,7 +57,7 @@ def open_stream(page: Page, settings) -> tuple[ModelPair, Iterator[Update]]:
     check_request(page.prompt, settings)
     pair = page.pair()
     updates = stream(pair, page.prompt, settings, compare=bool(page.compare), time_limit_s=TIME_LIMIT_S,
-                     trace_dir=TRACE_DIR)
+                     trace_dir=trace_dir())
     first = next(updates)
     return pair, _chained(first, updates)
 
@@ -271,7 +271,7 @@ def run_batch(page: Page):
         for prompt in prompts:
             check_request(prompt, settings)
         yield note_html("loading models…"), "", gr.skip()
-        updates = stream_batch(page.pair(), prompts, settings, time_limit_s=TIME_LIMIT_S, trace_dir=TRACE_DIR)
+        updates = stream_batch(page.pair(), prompts, settings, time_limit_s=TIME_LIMIT_S, trace_dir=trace_dir())
         first = next(updates)
     except FAILURES as err:
         yield error_html(f"Error: {err}"), "", gr.skip()

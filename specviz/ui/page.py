@@ -3,8 +3,11 @@ loaded, and `Page`, the page's settings read into one object in one place."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass, fields
@@ -54,9 +57,17 @@ MAX_SAMPLES_UI = 2000 if PUBLIC else 20_000
 BATCH_SEPARATOR = "---"
 TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
 FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
-TRACE_DIR = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 log = logging.getLogger("specviz")
+
+
+@functools.cache
+def trace_dir() -> Path:
+    """The folder the runs' trace files go to (the newest 64 kept; Gradio serves copies of them): made on the
+    first run, removed when the process ends."""
+    folder = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 @dataclass
