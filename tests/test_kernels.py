@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PAD, while_another_process_makes, words
+from conftest import PAD, while_another_process_makes, word_id, words
 
 from specviz.core.generator import Settings, generate
 from specviz.core.kvcache import KVState
@@ -564,3 +564,69 @@ def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_in
     said = _bit_for_bit(pair)
     assert said.startswith("bit for bit: no") and f"{kernels.shape_key(lean.head.weight)} takes " in said
     assert "linear at 7 rows" in said
+
+
+def test_silu_times_up_in_one_call_is_atens(monkeypatch):
+    """native.silu_mul_bf16 (a bf16 layer's MLP on a CPU): SiLU(gate) * up of a fused projection's output, bitwise
+    ATen's F.silu(gate) * up for every one of the 65,536 bfloat16 gates (NaN where ATen's is NaN), 2 x 2 rows."""
+    from specviz.models import native
+
+    if not native.runs_here():
+        pytest.skip("specviz's C functions do not run here")
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.arange(65536, dtype=torch.int32)
+    gate = torch.where(bits < 32768, bits, bits - 65536).to(torch.int16).view(torch.bfloat16).view(2, 2, 16384)
+    up = (torch.randn(2, 2, 16384, generator=gen) * 4).bfloat16()
+    got = native.silu_mul_bf16(torch.cat([gate, up], -1))
+    assert got.shape == (2, 2, 16384) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(TypeError):
+        native.silu_mul_bf16(up.float())
+
+
+def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch, tmp_path):
+    """bf16 on a CPU where every product of the layers takes the pair kernel: the layers run as one C call
+    (native.layers_bf16) and give the layer-by-layer path's bits (logits, hidden states, every cache) at a
+    prefill of two rows of different lengths, a one-token step and a tree verify, with biases on the attention's
+    products too. One layer's product on another path sends the whole forward layer by layer."""
+    from transformers import AutoModelForCausalLM
+
+    from specviz.core.kvcache import Tree
+
+    if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
+        pytest.skip(f"the pair kernel does not run here: {why}")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "avx512-dot")
+    config = copy.deepcopy(random_pair.target.config)
+    config.attention_bias = True
+    torch.manual_seed(0)
+    biased = AutoModelForCausalLM.from_config(config)
+    for name, p in biased.named_parameters():
+        torch.nn.init.normal_(p, std=0.3 if name.endswith("bias") else 0.2)
+    biased.save_pretrained(tmp_path / "biased")
+    models = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+              for path in (random_pair.target.config._name_or_path, tmp_path / "biased")]
+    native_weights = LeanLlama.native_weights
+    vocab = random_pair.vocab_size
+
+    def run(model, native: bool):
+        monkeypatch.setattr(LeanLlama, "native_weights", native_weights if native else lambda self, rows: None)
+        state = KVState(model, 2, "static", vocab, 32)
+        outs = [state.prefill([words(1, 2, 3, 4, 5), words(6, 7)], PAD, hidden=True).hidden]
+        step = state.forward(torch.tensor([[word_id(1)], [word_id(2)]]), [[True], [True]], hidden=True)
+        tree = Tree.of([[-1, 0, 0, 1], [-1, 0]], 5, torch.device("cpu"))
+        verify = state.forward(torch.tensor([words(3, 4, 5, 6, 7), words(1, 2, 0, 0, 0)]),
+                               [[True] * 5, [True] * 3 + [False] * 2], hidden=True, tree=tree)
+        return outs + [step.logits, step.hidden, verify.logits, verify.hidden, state.backend.stack.clone()]
+
+    for model in models:
+        lean = LeanLlama.of(model)
+        with torch.inference_mode():
+            fused, layered = run(model, True), run(model, False)
+        assert set(lean.native_plans) >= {1 * 2, 5 * 2} and all(lean.native_plans.values())
+        for a, b in zip(fused, layered, strict=True):
+            assert torch.equal(a, b)
+    assert models[1].model.layers[0].self_attn.o_proj.bias is not None
+    lean.native_plans.clear()
+    monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
+    monkeypatch.setitem(lean.layers[-1].down.paths, 2, "linear")
+    assert lean.native_weights(2) is None and lean.native_weights(10) is not None

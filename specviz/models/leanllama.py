@@ -24,6 +24,7 @@ Supported: model_type llama and qwen3 (with its q/k norms), SiLU MLP.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -280,7 +281,10 @@ class LeanLayer(nn.Module):
         o = attend(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)  # [B, H, t, D]
         x = x + self.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
         h = rms_norm(x, self.norm2.weight, self.eps)
-        gate, up = self.gate_up(h, packed).chunk(2, -1)
+        gate_up = self.gate_up(h, packed)
+        if in_c(gate_up):  # ATen's SiLU of each bfloat16 value looked up, times up: one call, ATen's bits
+            return x + self.down(native.silu_mul_bf16(gate_up), packed)
+        gate, up = gate_up.chunk(2, -1)
         return x + self.down(F.silu(gate) * up, packed)
 
 
@@ -324,6 +328,7 @@ class LeanLlama(nn.Module):
         self.compiled_shapes: set[tuple] = set()
         self.graphs = self.head.weight.device.type == "cuda"  # compiled forwards replay as CUDA graphs
         self.spare: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # compiled caches no one holds
+        self.native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
 
     def lend(self, batch: int, capacity: int, like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values for a compiled cache of `batch` rows and at least `capacity` slots: the
@@ -350,6 +355,38 @@ class LeanLlama(nn.Module):
             lease[0] = None
             del self.spare[:-SPARE_SETS]
 
+    def native_weights(self, rows: int) -> ctypes.Array | None:
+        """The layers' weights for native.layers_bf16 at this row count (the packed products' addresses, 8 a
+        layer), or None where the layers do not all fit it: each of their products took the pair kernel here
+        at this row count (this machine's timings chose it; packs it on first use, as a product would), no
+        per-head norms (Qwen3), no MLP biases, heads the C attention takes, even widths (pairs of k)."""
+        if rows in self.native_plans:
+            return self.native_plans[rows]
+        plan, held = None, []
+        first = self.layers[0]
+        fits = (native.attends(self.heads, self.kv_heads, self.head_dim) and first.q_norm is None
+                and all(lin.weight.shape[1] % 2 == 0 for lin in (first.qkv, first.o, first.down))
+                and first.norm1.weight.dtype == first.norm2.weight.dtype == torch.bfloat16)
+        if fits and all(lin.path(rows)[0] == "avx512-dot" for layer in self.layers
+                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            pointers = []
+            for layer in self.layers:
+                if layer.gate_up.bias is not None or layer.down.bias is not None:
+                    break
+                qkv_bias, o_bias = (None if lin.bias is None else lin.bias.float().contiguous()
+                                    for lin in (layer.qkv, layer.o))
+                held += [qkv_bias, o_bias]
+                pointers += [layer.norm1.weight.data_ptr(), layer.qkv.path(rows)[1].data_ptr(),
+                             qkv_bias.data_ptr() if qkv_bias is not None else None,
+                             layer.o.path(rows)[1].data_ptr(), o_bias.data_ptr() if o_bias is not None else None,
+                             layer.norm2.weight.data_ptr(), layer.gate_up.path(rows)[1].data_ptr(),
+                             layer.down.path(rows)[1].data_ptr()]
+            else:
+                plan = (ctypes.c_void_p * len(pointers))(*pointers)
+                plan.holds = held
+        self.native_plans[rows] = plan
+        return plan
+
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
@@ -367,7 +404,11 @@ class LeanLlama(nn.Module):
             mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
-        for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
+        weights = self.native_weights(ids.numel()) if packed and in_c(x) else None
+        if weights is not None:  # every layer in one C call, the same bits
+            shape = (self.heads, self.kv_heads, self.head_dim, self.layers[0].down.weight.shape[1])
+            x = native.layers_bf16(x, weights, keys, values, cos, sin, slots, mask, kv_len, shape, self.eps)
+        for layer, k_cache, v_cache in zip(self.layers if weights is None else [], keys, values, strict=False):
             x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)
         x = rms_norm(x, self.norm.weight, self.eps)
         return self.head(x[:, -1:] if last_only else x, packed), x if hidden else None

@@ -98,6 +98,11 @@ def library() -> ctypes.CDLL:
     lib.specviz_attend_bf16.restype = None
     lib.specviz_rope_store_bf16.argtypes = [ctypes.c_void_p] * 8  # qkv, cos, sin, slots, q, k and v caches, dims
     lib.specviz_rope_store_bf16.restype = None
+    lib.specviz_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2  # gate_up, table, act, rows, I
+    lib.specviz_silu_mul_bf16.restype = None
+    # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, eps, scale
+    lib.specviz_layers_bf16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2
+    lib.specviz_layers_bf16.restype = None
     return lib
 
 
@@ -178,6 +183,54 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
     library().specviz_rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
                                       k_cache.data_ptr(), v_cache.data_ptr(), dims)
     return q.transpose(1, 2)
+
+
+@functools.cache
+def silu_table() -> torch.Tensor:
+    """ATen's SiLU of each of the 65,536 bfloat16 values, indexed by the value's bits: what silu_mul_bf16 and
+    layers_bf16 look up (computed here, by this machine's ATen kernel, so it is ATen's bits)."""
+    bits = torch.arange(65536, dtype=torch.int32)
+    values = torch.where(bits < 32768, bits, bits - 65536).to(torch.int16).view(torch.bfloat16)
+    return torch.nn.functional.silu(values).view(torch.int16).contiguous()
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of a fused projection's output gate_up [..., 2 I] (bfloat16) -> [..., I]: ATen's
+    numbers (SiLU from silu_table, the product rounded to bfloat16) in one call instead of three operations."""
+    if gate_up.dtype != torch.bfloat16 or gate_up.shape[-1] % 2:
+        raise TypeError(f"silu_mul_bf16 needs bfloat16 [..., 2 I], got {gate_up.dtype} {tuple(gate_up.shape)}")
+    width = gate_up.shape[-1] // 2
+    flat = gate_up.reshape(-1, 2 * width).contiguous()
+    act = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16)
+    library().specviz_silu_mul_bf16(flat.data_ptr(), silu_table().data_ptr(), act.data_ptr(), flat.shape[0], width)
+    return act
+
+
+def layers_bf16(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], values: list[torch.Tensor],
+                cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, kv_len: int,
+                shape: tuple[int, int, int, int], eps: float) -> torch.Tensor:
+    """Decoder layers in one call (gemm_avx2.c, specviz_layers_bf16): x [B, t, C] (bfloat16) -> the last layer's
+    output, the bits of leanllama.LeanLayer.forward layer after layer with every product through the pair kernel
+    (`weights`: the packed products' addresses, 8 a layer, from leanllama.LeanLlama.native_weights, which checks
+    that they took that path); keys and values [B, KV, capacity, D] are written at `slots` as there. shape: H,
+    KV, D, I. mask [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D]."""
+    heads, kv_heads, dim, inter = shape
+    batch, t, width = x.shape
+    out = x.contiguous().clone()
+    cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
+    mask = mask[:, 0]
+    if mask.dtype != torch.bool or cos.dtype != torch.bfloat16 or cos.numel() != batch * t * dim \
+            or any(not (c.is_contiguous() and c.shape == keys[0].shape) for c in keys + values) \
+            or keys[0].shape[:2] != (batch, kv_heads) or keys[0].shape[3] != dim or len(weights) != 8 * len(keys):
+        raise ValueError("layers_bf16 needs a bool mask, bfloat16 cos and sin [B, t, D], one set of packed weights "
+                         "a layer and contiguous caches [B, KV, capacity, D]")
+    dims = (ctypes.c_int64 * 13)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
+                                 *mask.stride())
+    caches = (ctypes.c_void_p * (2 * len(keys)))(*(p for k, v in zip(keys, values, strict=True)
+                                                   for p in (k.data_ptr(), v.data_ptr())))
+    library().specviz_layers_bf16(out.data_ptr(), dims, weights, caches, cos.data_ptr(), sin.data_ptr(),
+                                  slots.data_ptr(), mask.data_ptr(), silu_table().data_ptr(), eps, dim ** -0.5)
+    return out
 
 
 def _padded(weight: torch.Tensor, columns: int, k: int, dtype: torch.dtype) -> torch.Tensor:
