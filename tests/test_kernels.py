@@ -630,3 +630,41 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
     monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
     monkeypatch.setitem(lean.layers[-1].down.paths, 2, "linear")
     assert lean.native_weights(2) is None and lean.native_weights(10) is not None
+
+
+def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch):
+    """The EAGLE head's layer through native.layers_bf16 (its cache in the target's layout, a slot per row and
+    entry) drafts what the layer-by-layer step drafts, bit for bit: every drafted token and its q, for trees and
+    chains, greedy and sampled, a batch of rows of different lengths."""
+    import dataclasses
+
+    from specviz.core.generator import generate_batch
+    from specviz.models.eagle import EagleHead, HeadConfig
+    from specviz.models.loading import load_pair
+
+    if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
+        pytest.skip(f"the pair kernel does not run here: {why}")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "avx512-dot")
+    pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
+                     device="cpu", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(pair.target, words(0, 1, 2, 5, 6), pair.vocab_size, 16))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    head = head.to(torch.bfloat16).bind(pair.target, pair.vocab_size)
+    pair = dataclasses.replace(pair, head=head, head_name="r")
+    native_weights = EagleHead.native_weights
+    prompts = [words(1, 2, 3, 4), words(5, 6), words(7, 0, 1, 2, 3, 4, 5)]
+
+    def drafts(native: bool):
+        monkeypatch.setattr(EagleHead, "native_weights", native_weights if native else lambda self, rows: None)
+        out = []
+        for settings in (Settings(drafter="eagle", gamma=3, branch=2, nodes=4, max_new_tokens=16, record_top=0),
+                         Settings(drafter="eagle", gamma=2, max_new_tokens=16, temperature=1.0, record_top=0)):
+            for run in generate_batch(pair, [""] * 3, settings, prompts_ids=prompts):
+                out.append([(t.id, t.q, t.p) for e in run.events for t in e.drafted])
+        return out
+
+    fused, layered = drafts(True), drafts(False)
+    assert fused == layered and sum(map(len, fused)) > 50
+    assert head._native_plans and all(head._native_plans.values())

@@ -26,6 +26,7 @@ head's arithmetic.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -39,7 +40,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import native
-from .leanllama import Linear, attend, in_c, rotate
+from .leanllama import Linear, attend, in_c, pair_layer, rotate
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -125,6 +126,7 @@ class EagleHead(nn.Module):
         self.out_weight: torch.Tensor | None = None  # [N, D] the target's output rows of draft_ids
         self._lean: dict | None = None  # name -> packed linear, built on first drafting step
         self._lean_linears: dict[str, Linear] | None = None
+        self._native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
 
     # -- binding and files ---------------------------------------------------------------------
 
@@ -141,6 +143,7 @@ class EagleHead(nn.Module):
         self.embed_weight = emb.detach()
         self.out_weight = out.detach()[self.draft_ids.to(out.device)]
         self._lean = self._lean_linears = None
+        self._native_plans = {}
         return self
 
     def save(self, folder: str | Path) -> None:
@@ -168,10 +171,14 @@ class EagleHead(nn.Module):
         """The target's hidden states [..., F] -> the head's input space [..., D]."""
         return self._linears(lean)["fc"](_rms(features, self.feature_norm, self.config.eps))
 
-    def _qkv(self, tokens, g, cos, sin, lin):
+    def _entries(self, tokens, g, lin):
+        """Entries (g, token) [B, t] -> the layer's input x [B, t, D]."""
+        return lin["in_proj"](torch.cat([F.embedding(tokens, self.embed_weight), g], -1))
+
+    def _qkv(self, tokens, g, cos, sin, lin, x=None):
         """cos, sin [B, t, hd] at the entries' positions -> x [B, t, D] and q, k, v [B, heads, t, hd]."""
         c = self.config
-        x = lin["in_proj"](torch.cat([F.embedding(tokens, self.embed_weight), g], -1))  # [B, t, D]
+        x = self._entries(tokens, g, lin) if x is None else x  # [B, t, D]
         qkv = lin["qkv"](_rms(x, self.attn_norm, c.eps)).view(*x.shape[:2], -1, c.head_dim)  # [B, t, all heads, hd]
         qk = rotate(qkv[:, :, : c.heads + c.kv_heads], cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype))
         q, k, v = qk[:, :, : c.heads], qk[:, :, c.heads :], qkv[:, :, c.heads + c.kv_heads :]
@@ -180,7 +187,10 @@ class EagleHead(nn.Module):
     def _finish(self, x, attended, lin):
         """x [B, t, D], attended [B, heads, t, hd] -> h [B, t, D], the layer's output."""
         x = x + lin["o"](attended.transpose(1, 2).reshape(x.shape))
-        gate, up = lin["gate_up"](_rms(x, self.mlp_norm, self.config.eps)).chunk(2, -1)
+        gate_up = lin["gate_up"](_rms(x, self.mlp_norm, self.config.eps))
+        if in_c(gate_up):  # ATen's SiLU looked up, as the target's layers do (native.silu_mul_bf16)
+            return x + lin["down"](native.silu_mul_bf16(gate_up))
+        gate, up = gate_up.chunk(2, -1)
         return x + lin["down"](F.silu(gate) * up)
 
     def logits(self, h: torch.Tensor, lean: bool = False) -> torch.Tensor:
@@ -247,16 +257,33 @@ class EagleHead(nn.Module):
 
         Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N]."""
         lin, c = self._linears(lean), self.config
-        cos, sin = _rope_table(c.head_dim, c.rope_theta, cache.keys.shape[1], positions.device, cache.keys.dtype)
-        x, q, k, v = self._qkv(tokens, g, cos[positions], sin[positions], lin)
-        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-        cache.keys[rows, slots] = k.transpose(1, 2)  # [B, t, kv, hd] into [B, C, kv, hd]
-        cache.values[rows, slots] = v.transpose(1, 2)
-        # [B, t, C]: entries are contiguous from 0
+        cos, sin = _rope_table(c.head_dim, c.rope_theta, cache.keys.shape[2], positions.device, cache.keys.dtype)
+        cos, sin = cos[positions], sin[positions]  # [B, t, hd]
+        # [B, t, C + 1]: entries are contiguous from 0
         mask = cache.slot_index <= positions[..., None] if visible is None else visible
-        attended = attend(q, cache.keys.transpose(1, 2), cache.values.transpose(1, 2), mask[:, None], lossy=lean)
+        x = self._entries(tokens, g, lin)
+        weights = self.native_weights(tokens.numel()) if lean and in_c(x) else None
+        if weights is not None:  # the layer as one C call (the target's layers' function), the same bits
+            shape = (c.heads, c.kv_heads, c.head_dim, c.intermediate)
+            h = native.layers_bf16(x, weights, [cache.keys], [cache.values], cos, sin, slots, mask[:, None],
+                                   cache.keys.shape[2], shape, c.eps)
+            return h, self.logits(h, lean)
+        x, q, k, v = self._qkv(tokens, g, cos, sin, lin, x)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        cache.keys[rows, :, slots] = k.transpose(1, 2)  # [B, t, kv, hd] into [B, kv, C + 1, hd] at each row's slots
+        cache.values[rows, :, slots] = v.transpose(1, 2)
+        attended = attend(q, cache.keys, cache.values, mask[:, None], lossy=lean)
         h = self._finish(x, attended, lin)
         return h, self.logits(h, lean)
+
+    def native_weights(self, rows: int) -> ctypes.Array | None:
+        """The layer's weights for native.layers_bf16 at this row count (leanllama.pair_layer's), or None."""
+        if rows not in self._native_plans:
+            c, lin = self.config, self.lean_linears()
+            fits = native.attends(c.heads, c.kv_heads, c.head_dim) and pair_layer(
+                rows, self.attn_norm, lin["qkv"], lin["o"], self.mlp_norm, lin["gate_up"], lin["down"])
+            self._native_plans[rows] = (ctypes.c_void_p * 8)(*fits[0]) if fits else None
+        return self._native_plans[rows]
 
 
 def _slot_index(capacity: int, device: torch.device) -> torch.Tensor:
@@ -267,14 +294,15 @@ def _slot_index(capacity: int, device: torch.device) -> torch.Tensor:
 
 
 class HeadCache:
-    """Keys and values of B rows' entries, slots 0..C-1 plus a scratch slot C for padding writes.
+    """Keys and values [B, kv heads, C + 1, hd] of B rows' entries, slots 0..C-1 plus a scratch slot C for padding
+    writes (the target's cache layout, so that its C functions take the head's too).
 
     Row b's real entries fill slots 0..lengths[b]-1, one per position; drafted entries go after
     them and are forgotten by not moving the length (rollback is free)."""
 
     def __init__(self, head: EagleHead, batch: int, capacity: int, like: torch.Tensor):
         c = head.config
-        shape = (batch, capacity + 1, c.kv_heads, c.head_dim)
+        shape = (batch, c.kv_heads, capacity + 1, c.head_dim)
         self.keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.values = torch.zeros_like(self.keys)
         self.slot_index = _slot_index(capacity, like.device)
@@ -282,14 +310,14 @@ class HeadCache:
 
     @property
     def scratch(self) -> int:
-        return self.keys.shape[1] - 1
+        return self.keys.shape[2] - 1
 
     def reserve(self, need: int) -> None:
         """Grow (doubling) so that slots 0..need-1 exist."""
         if need <= self.scratch:
             return
         capacity = max(need, 2 * self.scratch)
-        grow = (0, 0, 0, 0, 0, capacity - self.scratch)  # more slots on dim 1; a fresh scratch slot last
+        grow = (0, 0, 0, capacity - self.scratch)  # more slots on dim 2; a fresh scratch slot last
         self.keys, self.values = F.pad(self.keys, grow), F.pad(self.values, grow)
         self.slot_index = _slot_index(capacity, self.keys.device)
 

@@ -465,13 +465,15 @@ void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
    (specviz_rope_store_bf16), with ATen's roundings (bitwise what leanllama.rotate and index_copy_ give):
    each of x * cos and rotate_half(x) * sin rounded to bfloat16, then their sum. qkv: [B, t, H + 2 KV, D]
    (the fused projection's output), cos and sin: [B, t, D]; q_out: [B, t, H, D]; k_cache and v_cache:
-   [B, KV, capacity, D]; slots: t slot numbers (int64). Row by row: on the calling thread for a step or a
+   [B, KV, capacity, D]; slots: int64, row b's t slot numbers from slots + b * dims[6] (0: the same for every
+   row). Row by row: on the calling thread for a step or a
    verify (a few thousand numbers, less than starting threads costs), shared among OpenMP threads from 64
    rows on (a prefill, a sampled batch), which does not change any row's bits. */
 void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                              uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, const int64_t *dims)
 {
-    const int64_t B = dims[0], T = dims[1], H = dims[2], KV = dims[3], D = dims[4], C = dims[5], half = D / 2;
+    const int64_t B = dims[0], T = dims[1], H = dims[2], KV = dims[3], D = dims[4], C = dims[5], half = D / 2,
+                  slot_stride = dims[6];
 #pragma omp parallel for schedule(static) if (B * T >= 64)
     for (int64_t bi = 0; bi < B * T; bi++) {
         const int64_t b = bi / T, i = bi % T;
@@ -481,7 +483,7 @@ void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uin
             const uint16_t *x = row + h * D;
             uint16_t *out = h < H ? q_out + ((b * T + i) * H + h) * D
                                   : (h < H + KV ? k_cache : v_cache)
-                                        + ((b * KV + (h - H) % KV) * C + slots[i]) * D;
+                                        + ((b * KV + (h - H) % KV) * C + slots[b * slot_stride + i]) * D;
             if (h >= H + KV) { /* values: stored as they are */
                 memcpy(out, x, sizeof(uint16_t) * (size_t)D);
                 continue;
@@ -500,11 +502,13 @@ void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uin
    same functions in the same order, and between them ATen's roundings (each elementwise result in float32,
    rounded to bfloat16 to nearest even; SiLU looked up in `silu`, ATen's own SiLU of each of the 65,536
    bfloat16 values). What it saves is the per-operation cost of the path above it: a dozen Python calls and
-   ATen operations a layer, a few microseconds each, thirty layers a forward.
+   ATen operations a layer, a few microseconds each, thirty layers a forward. The EAGLE head's one layer
+   takes it too.
    x: [rows, C] (rows = B t), updated in place. dims: layers, B, t, C, H, KV, D, I (the MLP's width), capacity,
-   kv_len, and the mask's strides (batch, query, slot); scale: the attention's, as the layer-by-layer path passes it. weights: per layer norm1, qkv (packed), qkv bias (float32
-   or NULL), o (packed), o bias, norm2, gate_up (packed), down (packed). caches: per layer keys, values
-   ([B, KV, capacity, D]). cos, sin: [B, t, D]; slots: t slot numbers; mask: 1 = the query sees the slot. */
+   kv_len, the mask's strides (batch, query, slot), and the slots' row stride (rope_store's dims[6]). weights:
+   per layer norm1, qkv (packed), qkv bias (float32 or NULL), o (packed), o bias, norm2, gate_up (packed), down
+   (packed). caches: per layer keys, values ([B, KV, capacity, D]). cos, sin: [B, t, D]; mask: 1 = the query
+   sees the slot; scale: the attention's, as the layer-by-layer path passes it. */
 static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
@@ -530,7 +534,7 @@ void specviz_layers_bf16(uint16_t *x, const int64_t *dims, void *const *weights,
     uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(rows * (C + width + 2 * H * D + 3 * I + C)));
     uint16_t *qkv = h + rows * C, *q = qkv + rows * width, *att = q + rows * H * D, *gu = att + rows * H * D,
              *act = gu + rows * 2 * I, *y = act + rows * I;
-    const int64_t rope_dims[6] = {B, T, H, KV, D, capacity}, attend_dims[6] = {B, H, KV, T, L, D};
+    const int64_t rope_dims[7] = {B, T, H, KV, D, capacity, dims[13]}, attend_dims[6] = {B, H, KV, T, L, D};
     /* strides: q and the output [B, t, H, D] read as [B, H, t, D]; caches [B, KV, capacity, D]; mask as given */
     const int64_t strides[15] = {T * H * D, D, H * D, KV * capacity * D, capacity * D, D, KV * capacity * D,
                                  capacity * D, D, dims[10], dims[11], dims[12], T * H * D, D, H * D};

@@ -248,6 +248,24 @@ def _vector_isa_known_good() -> bool:
     return True
 
 
+def pair_layer(rows: int, norm1: torch.Tensor, qkv: Linear, o: Linear, norm2: torch.Tensor, gate_up: Linear,
+               down: Linear) -> tuple[list, list] | None:
+    """A Llama layer's eight addresses for native.layers_bf16 at this row count (its norms' weights, its packed
+    products and the attention's float32 biases), with the biases they point into, or None where the layer does
+    not fit it: each of its products took the pair kernel at this row count (this machine's timings chose it;
+    packs on first use, as a product would), bfloat16 norms, no MLP biases, even widths (pairs of k), heads
+    the C attention takes (the caller checks those)."""
+    products = (qkv, o, gate_up, down)
+    if norm1.dtype != torch.bfloat16 or norm2.dtype != torch.bfloat16 or gate_up.bias is not None \
+            or down.bias is not None or any(lin.weight.shape[1] % 2 for lin in products) \
+            or any(lin.path(rows)[0] != "avx512-dot" for lin in products):
+        return None
+    biases = [None if lin.bias is None else lin.bias.float().contiguous() for lin in (qkv, o)]
+    pointers = [norm1.data_ptr(), qkv.path(rows)[1].data_ptr(), biases[0], o.path(rows)[1].data_ptr(), biases[1],
+                norm2.data_ptr(), gate_up.path(rows)[1].data_ptr(), down.path(rows)[1].data_ptr()]
+    return [p.data_ptr() if isinstance(p, torch.Tensor) else p for p in pointers], biases
+
+
 class LeanLayer(nn.Module):
     def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -356,36 +374,17 @@ class LeanLlama(nn.Module):
             del self.spare[:-SPARE_SETS]
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
-        """The layers' weights for native.layers_bf16 at this row count (the packed products' addresses, 8 a
-        layer), or None where the layers do not all fit it: each of their products took the pair kernel here
-        at this row count (this machine's timings chose it; packs it on first use, as a product would), no
-        per-head norms (Qwen3), no MLP biases, heads the C attention takes, even widths (pairs of k)."""
-        if rows in self.native_plans:
-            return self.native_plans[rows]
-        plan, held = None, []
-        first = self.layers[0]
-        fits = (native.attends(self.heads, self.kv_heads, self.head_dim) and first.q_norm is None
-                and all(lin.weight.shape[1] % 2 == 0 for lin in (first.qkv, first.o, first.down))
-                and first.norm1.weight.dtype == first.norm2.weight.dtype == torch.bfloat16)
-        if fits and all(lin.path(rows)[0] == "avx512-dot" for layer in self.layers
-                        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            pointers = []
-            for layer in self.layers:
-                if layer.gate_up.bias is not None or layer.down.bias is not None:
-                    break
-                qkv_bias, o_bias = (None if lin.bias is None else lin.bias.float().contiguous()
-                                    for lin in (layer.qkv, layer.o))
-                held += [qkv_bias, o_bias]
-                pointers += [layer.norm1.weight.data_ptr(), layer.qkv.path(rows)[1].data_ptr(),
-                             qkv_bias.data_ptr() if qkv_bias is not None else None,
-                             layer.o.path(rows)[1].data_ptr(), o_bias.data_ptr() if o_bias is not None else None,
-                             layer.norm2.weight.data_ptr(), layer.gate_up.path(rows)[1].data_ptr(),
-                             layer.down.path(rows)[1].data_ptr()]
-            else:
-                plan = (ctypes.c_void_p * len(pointers))(*pointers)
-                plan.holds = held
-        self.native_plans[rows] = plan
-        return plan
+        """The layers' weights for native.layers_bf16 at this row count (pair_layer's, layer after layer), or
+        None where a layer does not fit it."""
+        if rows not in self.native_plans:
+            layers = [pair_layer(rows, layer.norm1.weight, layer.qkv, layer.o, layer.norm2.weight, layer.gate_up,
+                                 layer.down) if layer.q_norm is None else None for layer in self.layers]
+            plan = None
+            if all(layers):
+                plan = (ctypes.c_void_p * (8 * len(layers)))(*(p for pointers, _ in layers for p in pointers))
+                plan.holds = [held for _, held in layers]
+            self.native_plans[rows] = plan
+        return self.native_plans[rows]
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -404,7 +403,8 @@ class LeanLlama(nn.Module):
             mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
-        weights = self.native_weights(ids.numel()) if packed and in_c(x) else None
+        fits = native.attends(self.heads, self.kv_heads, self.head_dim)
+        weights = self.native_weights(ids.numel()) if packed and fits and in_c(x) else None
         if weights is not None:  # every layer in one C call, the same bits
             shape = (self.heads, self.kv_heads, self.head_dim, self.layers[0].down.weight.shape[1])
             x = native.layers_bf16(x, weights, keys, values, cos, sin, slots, mask, kv_len, shape, self.eps)

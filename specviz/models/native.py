@@ -166,8 +166,8 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
                     k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
     """A layer's step after its fused projection, in one call: qkv [B, t, H + 2 KV, D] (bfloat16) -> q [B, H, t, D]
     rotated (a view of [B, t, H, D]), with k rotated and v written to the caches [B, KV, capacity, D] at `slots`
-    [t]; cos, sin: [B, t, D] or [B, t, 1, D]. The bits of leanllama.rotate and index_copy_ (gemm_avx2.c,
-    specviz_rope_store_bf16)."""
+    ([t], or [B, t]: each row its own); cos, sin: [B, t, D] or [B, t, 1, D]. The bits of leanllama.rotate and
+    index_copy_ (gemm_avx2.c, specviz_rope_store_bf16)."""
     batch, t, all_heads, dim = qkv.shape
     kv_heads = (all_heads - heads) // 2
     qkv, cos, sin, slots = qkv.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous()
@@ -175,11 +175,11 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
     if any(x.dtype != torch.bfloat16 for x in (qkv, cos, sin, k_cache, v_cache)) or slots.dtype != torch.int64 \
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
             or k_cache.shape != (batch, kv_heads, k_cache.shape[2], dim) or v_cache.shape != k_cache.shape \
-            or cos.numel() != batch * t * dim or dim % 2:
+            or cos.numel() != batch * t * dim or dim % 2 or slots.shape not in ((t,), (batch, t)):
         raise ValueError("rope_store_bf16 needs contiguous bfloat16 qkv [B, t, H + 2 KV, D], cos and sin [B, t, D], "
-                         "caches [B, KV, capacity, D] and int64 slots")
+                         "caches [B, KV, capacity, D] and int64 slots [t] or [B, t]")
     q = torch.empty(batch, t, heads, dim, dtype=torch.bfloat16)
-    dims = (ctypes.c_int64 * 6)(batch, t, heads, kv_heads, dim, k_cache.shape[2])
+    dims = (ctypes.c_int64 * 7)(batch, t, heads, kv_heads, dim, k_cache.shape[2], t if slots.dim() == 2 else 0)
     library().specviz_rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
                                       k_cache.data_ptr(), v_cache.data_ptr(), dims)
     return q.transpose(1, 2)
@@ -212,8 +212,8 @@ def layers_bf16(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor]
     """Decoder layers in one call (gemm_avx2.c, specviz_layers_bf16): x [B, t, C] (bfloat16) -> the last layer's
     output, the bits of leanllama.LeanLayer.forward layer after layer with every product through the pair kernel
     (`weights`: the packed products' addresses, 8 a layer, from leanllama.LeanLlama.native_weights, which checks
-    that they took that path); keys and values [B, KV, capacity, D] are written at `slots` as there. shape: H,
-    KV, D, I. mask [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D]."""
+    that they took that path); keys and values [B, KV, capacity, D] are written at `slots` ([t] or [B, t]) as
+    there. shape: H, KV, D, I. mask [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D]."""
     heads, kv_heads, dim, inter = shape
     batch, t, width = x.shape
     out = x.contiguous().clone()
@@ -221,11 +221,12 @@ def layers_bf16(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor]
     mask = mask[:, 0]
     if mask.dtype != torch.bool or cos.dtype != torch.bfloat16 or cos.numel() != batch * t * dim \
             or any(not (c.is_contiguous() and c.shape == keys[0].shape) for c in keys + values) \
-            or keys[0].shape[:2] != (batch, kv_heads) or keys[0].shape[3] != dim or len(weights) != 8 * len(keys):
+            or keys[0].shape[:2] != (batch, kv_heads) or keys[0].shape[3] != dim or len(weights) != 8 * len(keys) \
+            or slots.dtype != torch.int64 or slots.shape not in ((t,), (batch, t)):
         raise ValueError("layers_bf16 needs a bool mask, bfloat16 cos and sin [B, t, D], one set of packed weights "
                          "a layer and contiguous caches [B, KV, capacity, D]")
-    dims = (ctypes.c_int64 * 13)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
-                                 *mask.stride())
+    dims = (ctypes.c_int64 * 14)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
+                                 *mask.stride(), t if slots.dim() == 2 else 0)
     caches = (ctypes.c_void_p * (2 * len(keys)))(*(p for k, v in zip(keys, values, strict=True)
                                                    for p in (k.data_ptr(), v.data_ptr())))
     library().specviz_layers_bf16(out.data_ptr(), dims, weights, caches, cos.data_ptr(), sin.data_ptr(),
