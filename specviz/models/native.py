@@ -6,9 +6,10 @@ A bfloat16 model's weights are packed as they are. The same file holds the kerne
 registers (the path "avx512": wider FMAs, the same bits), run only where ATen itself runs its
 AVX-512 kernels, and, for bfloat16 models on CPUs with AVX512-BF16, one that keeps the inputs in
 bfloat16 and multiplies pairs of them per instruction (the path "avx512-dot", `pack_pairs`), and a
-bfloat16 RMSNorm (`rms_bf16`: one call where ATen runs eight small operations) and bfloat16 attention
+bfloat16 RMSNorm (`rms_bf16`: one call where ATen runs eight small operations), bfloat16 attention
 (`attend_bf16`: a query's numbers from the keys it sees alone, so a verify row, a tree node and a batch
-row get a one-token step's bits).
+row get a one-token step's bits), RoPE with the cache writes (`rope_store_bf16`), SiLU times up
+(`silu_mul_bf16`), and all of these chained over a forward's layers in one call (`layers_bf16`).
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
