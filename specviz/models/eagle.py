@@ -282,7 +282,11 @@ class EagleHead(nn.Module):
             c, lin = self.config, self.lean_linears()
             fits = native.attends(c.heads, c.kv_heads, c.head_dim) and pair_layer(
                 rows, self.attn_norm, lin["qkv"], lin["o"], self.mlp_norm, lin["gate_up"], lin["down"])
-            self._native_plans[rows] = (ctypes.c_void_p * 8)(*fits[0]) if fits else None
+            plan = None
+            if fits:
+                plan = (ctypes.c_void_p * 8)(*fits[0])
+                plan.holds = fits[1]
+            self._native_plans[rows] = plan
         return self._native_plans[rows]
 
 

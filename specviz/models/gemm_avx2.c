@@ -466,9 +466,9 @@ void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
    each of x * cos and rotate_half(x) * sin rounded to bfloat16, then their sum. qkv: [B, t, H + 2 KV, D]
    (the fused projection's output), cos and sin: [B, t, D]; q_out: [B, t, H, D]; k_cache and v_cache:
    [B, KV, capacity, D]; slots: int64, row b's t slot numbers from slots + b * dims[6] (0: the same for every
-   row). Row by row: on the calling thread for a step or a
-   verify (a few thousand numbers, less than starting threads costs), shared among OpenMP threads from 64
-   rows on (a prefill, a sampled batch), which does not change any row's bits. */
+   row). Row by row: on the calling thread for a step or a verify (a few thousand numbers, less than starting
+   threads costs), shared among OpenMP threads from 64 rows on (a prefill, a sampled batch), which does not
+   change any row's bits. */
 void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
                              uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, const int64_t *dims)
 {
@@ -508,7 +508,8 @@ void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uin
    kv_len, the mask's strides (batch, query, slot), and the slots' row stride (rope_store's dims[6]). weights:
    per layer norm1, qkv (packed), qkv bias (float32 or NULL), o (packed), o bias, norm2, gate_up (packed), down
    (packed). caches: per layer keys, values ([B, KV, capacity, D]). cos, sin: [B, t, D]; mask: 1 = the query
-   sees the slot; scale: the attention's, as the layer-by-layer path passes it. */
+   sees the slot; scale: the attention's, as the layer-by-layer path passes it; scratch: rows (2 C + (H + 2 KV) D
+   + 2 H D + 3 I) numbers for the intermediate results. */
 static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
@@ -527,12 +528,11 @@ void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16
 
 void specviz_layers_bf16(uint16_t *x, const int64_t *dims, void *const *weights, uint16_t *const *caches,
                          const uint16_t *cos, const uint16_t *sin, const int64_t *slots, const uint8_t *mask,
-                         const uint16_t *silu, float eps, float scale)
+                         const uint16_t *silu, uint16_t *scratch, float eps, float scale)
 {
     const int64_t layers = dims[0], B = dims[1], T = dims[2], C = dims[3], H = dims[4], KV = dims[5], D = dims[6],
                   I = dims[7], capacity = dims[8], L = dims[9], rows = B * T, width = (H + 2 * KV) * D;
-    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(rows * (C + width + 2 * H * D + 3 * I + C)));
-    uint16_t *qkv = h + rows * C, *q = qkv + rows * width, *att = q + rows * H * D, *gu = att + rows * H * D,
+    uint16_t *h = scratch, *qkv = h + rows * C, *q = qkv + rows * width, *att = q + rows * H * D, *gu = att + rows * H * D,
              *act = gu + rows * 2 * I, *y = act + rows * I;
     const int64_t rope_dims[7] = {B, T, H, KV, D, capacity, dims[13]}, attend_dims[6] = {B, H, KV, T, L, D};
     /* strides: q and the output [B, t, H, D] read as [B, H, t, D]; caches [B, KV, capacity, D]; mask as given */
@@ -552,5 +552,4 @@ void specviz_layers_bf16(uint16_t *x, const int64_t *dims, void *const *weights,
         specviz_gemm_dot_bf16((const int32_t *)act, w[7], NULL, y, (int)rows, (int)C, (int)(I / 2));
         add_bf16(x, y, rows * C);
     }
-    free(h);
 }

@@ -377,8 +377,9 @@ class LeanLlama(nn.Module):
         """The layers' weights for native.layers_bf16 at this row count (pair_layer's, layer after layer), or
         None where a layer does not fit it."""
         if rows not in self.native_plans:
+            fits = native.attends(self.heads, self.kv_heads, self.head_dim)
             layers = [pair_layer(rows, layer.norm1.weight, layer.qkv, layer.o, layer.norm2.weight, layer.gate_up,
-                                 layer.down) if layer.q_norm is None else None for layer in self.layers]
+                                 layer.down) if fits and layer.q_norm is None else None for layer in self.layers]
             plan = None
             if all(layers):
                 plan = (ctypes.c_void_p * (8 * len(layers)))(*(p for pointers, _ in layers for p in pointers))
@@ -403,13 +404,13 @@ class LeanLlama(nn.Module):
             mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
-        fits = native.attends(self.heads, self.kv_heads, self.head_dim)
-        weights = self.native_weights(ids.numel()) if packed and fits and in_c(x) else None
+        weights = self.native_weights(ids.numel()) if packed and in_c(x) else None
         if weights is not None:  # every layer in one C call, the same bits
             shape = (self.heads, self.kv_heads, self.head_dim, self.layers[0].down.weight.shape[1])
             x = native.layers_bf16(x, weights, keys, values, cos, sin, slots, mask, kv_len, shape, self.eps)
-        for layer, k_cache, v_cache in zip(self.layers if weights is None else [], keys, values, strict=False):
-            x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)
+        else:
+            for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
+                x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)
         x = rms_norm(x, self.norm.weight, self.eps)
         return self.head(x[:, -1:] if last_only else x, packed), x if hidden else None
 

@@ -101,8 +101,8 @@ def library() -> ctypes.CDLL:
     lib.specviz_rope_store_bf16.restype = None
     lib.specviz_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2  # gate_up, table, act, rows, I
     lib.specviz_silu_mul_bf16.restype = None
-    # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, eps, scale
-    lib.specviz_layers_bf16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_float] * 2
+    # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, scratch, eps, scale
+    lib.specviz_layers_bf16.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
     lib.specviz_layers_bf16.restype = None
     return lib
 
@@ -230,8 +230,11 @@ def layers_bf16(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor]
                                  *mask.stride(), t if slots.dim() == 2 else 0)
     caches = (ctypes.c_void_p * (2 * len(keys)))(*(p for k, v in zip(keys, values, strict=True)
                                                    for p in (k.data_ptr(), v.data_ptr())))
+    scratch = torch.empty(batch * t * (2 * width + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter),
+                          dtype=torch.bfloat16)
     library().specviz_layers_bf16(out.data_ptr(), dims, weights, caches, cos.data_ptr(), sin.data_ptr(),
-                                  slots.data_ptr(), mask.data_ptr(), silu_table().data_ptr(), eps, dim ** -0.5)
+                                  slots.data_ptr(), mask.data_ptr(), silu_table().data_ptr(), scratch.data_ptr(), eps,
+                                  dim ** -0.5)
     return out
 
 
