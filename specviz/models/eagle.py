@@ -40,7 +40,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import native
-from .leanllama import Linear, attend, in_c, pair_layer, rotate
+from .leanllama import Linear, attend, in_c, pair_layer, pair_plan, rotate, silu_mul
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -187,11 +187,7 @@ class EagleHead(nn.Module):
     def _finish(self, x, attended, lin):
         """x [B, t, D], attended [B, heads, t, hd] -> h [B, t, D], the layer's output."""
         x = x + lin["o"](attended.transpose(1, 2).reshape(x.shape))
-        gate_up = lin["gate_up"](_rms(x, self.mlp_norm, self.config.eps))
-        if in_c(gate_up):  # ATen's SiLU looked up, as the target's layers do (native.silu_mul_bf16)
-            return x + lin["down"](native.silu_mul_bf16(gate_up))
-        gate, up = gate_up.chunk(2, -1)
-        return x + lin["down"](F.silu(gate) * up)
+        return x + lin["down"](silu_mul(lin["gate_up"](_rms(x, self.mlp_norm, self.config.eps))))
 
     def logits(self, h: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """h [..., D] -> logits [..., N] over the draft vocabulary, through the target's output rows."""
@@ -280,13 +276,9 @@ class EagleHead(nn.Module):
         """The layer's weights for native.layers_bf16 at this row count (leanllama.pair_layer's), or None."""
         if rows not in self._native_plans:
             c, lin = self.config, self.lean_linears()
-            fits = native.attends(c.heads, c.kv_heads, c.head_dim) and pair_layer(
-                rows, self.attn_norm, lin["qkv"], lin["o"], self.mlp_norm, lin["gate_up"], lin["down"])
-            plan = None
-            if fits:
-                plan = (ctypes.c_void_p * 8)(*fits[0])
-                plan.holds = fits[1]
-            self._native_plans[rows] = plan
+            fits = native.attends(c.heads, c.kv_heads, c.head_dim)
+            self._native_plans[rows] = pair_plan([fits and pair_layer(
+                rows, self.attn_norm, lin["qkv"], lin["o"], self.mlp_norm, lin["gate_up"], lin["down"])])
         return self._native_plans[rows]
 
 

@@ -266,6 +266,25 @@ def pair_layer(rows: int, norm1: torch.Tensor, qkv: Linear, o: Linear, norm2: to
     return [p.data_ptr() if isinstance(p, torch.Tensor) else p for p in pointers], biases
 
 
+def pair_plan(layers: list[tuple[list, list] | None]) -> ctypes.Array | None:
+    """Layers' pair_layer answers as native.layers_bf16's weights (holding the biases they point into), or None
+    where one does not fit."""
+    if not layers or not all(layers):
+        return None
+    plan = (ctypes.c_void_p * (8 * len(layers)))(*(p for pointers, _ in layers for p in pointers))
+    plan.holds = [held for _, held in layers]
+    return plan
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of a fused projection's output [..., 2 I]; in bfloat16 on a CPU (`in_c`) ATen's SiLU of each
+    value looked up, in one call with ATen's bits (native.silu_mul_bf16, as native.layers_bf16 computes it)."""
+    if in_c(gate_up):
+        return native.silu_mul_bf16(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
 class LeanLayer(nn.Module):
     def __init__(self, layer: nn.Module, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -299,11 +318,7 @@ class LeanLayer(nn.Module):
         o = attend(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)  # [B, H, t, D]
         x = x + self.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
         h = rms_norm(x, self.norm2.weight, self.eps)
-        gate_up = self.gate_up(h, packed)
-        if in_c(gate_up):  # ATen's SiLU of each bfloat16 value looked up, times up: one call, ATen's bits
-            return x + self.down(native.silu_mul_bf16(gate_up), packed)
-        gate, up = gate_up.chunk(2, -1)
-        return x + self.down(F.silu(gate) * up, packed)
+        return x + self.down(silu_mul(self.gate_up(h, packed)), packed)
 
 
 class LeanLlama(nn.Module):
@@ -380,11 +395,7 @@ class LeanLlama(nn.Module):
             fits = native.attends(self.heads, self.kv_heads, self.head_dim)
             layers = [pair_layer(rows, layer.norm1.weight, layer.qkv, layer.o, layer.norm2.weight, layer.gate_up,
                                  layer.down) if fits and layer.q_norm is None else None for layer in self.layers]
-            plan = None
-            if all(layers):
-                plan = (ctypes.c_void_p * (8 * len(layers)))(*(p for pointers, _ in layers for p in pointers))
-                plan.holds = [held for _, held in layers]
-            self.native_plans[rows] = plan
+            self.native_plans[rows] = pair_plan(layers)
         return self.native_plans[rows]
 
     def linears(self) -> list[Linear]:
