@@ -586,7 +586,7 @@ def test_silu_times_up_in_one_call_is_atens(monkeypatch):
 
 def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch, tmp_path):
     """bf16 on a CPU where every product of the layers takes the pair kernel: the layers run as one C call
-    (native.layers_bf16) and give the layer-by-layer path's bits (logits, hidden states, every cache) at a
+    (native.layers) and give the layer-by-layer path's bits (logits, hidden states, every cache) at a
     prefill of two rows of different lengths, a one-token step and a tree verify, with biases on the attention's
     products too. One layer's product on another path sends the whole forward layer by layer."""
     from transformers import AutoModelForCausalLM
@@ -633,7 +633,7 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
 
 
 def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch):
-    """The EAGLE head's layer through native.layers_bf16 (its cache in the target's layout, a slot per row and
+    """The EAGLE head's layer through native.layers (its cache in the target's layout, a slot per row and
     entry) drafts what the layer-by-layer step drafts, bit for bit: every drafted token and its q, for trees and
     chains, greedy and sampled, a batch of rows of different lengths."""
     import dataclasses
@@ -668,3 +668,54 @@ def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random
     fused, layered = drafts(True), drafts(False)
     assert fused == layered and sum(map(len, fused)) > 50
     assert head._native_plans and all(head._native_plans.values())
+
+
+def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pair, fresh_tables, monkeypatch):
+    """float32 on a CPU where every product of the layers takes specviz's own kernel: the layers run as one C call
+    (native.layers, with float32 RMSNorm, RoPE, attention and SiLU of its own), within rounding of the
+    layer-by-layer path (ATen's operations between the products); and a row's numbers never depend on the rows
+    beside it: each row of a 3-token verify gets the bits of a one-token step, a batch row the bits it gets alone,
+    with the AVX2 kernel and the AVX-512 one alike (the same bits). A product on ATen's path sends the forward layer
+    by layer."""
+    from transformers import AutoModelForCausalLM
+
+    runs = [name for name in ("avx2", "avx512") if name not in kernels.unavailable(torch.float32)]
+    if not runs:
+        pytest.skip("specviz's float32 kernels do not run here")
+    model = AutoModelForCausalLM.from_pretrained(random_pair.target.config._name_or_path, dtype=torch.float32)
+    lean, vocab = LeanLlama.of(model), random_pair.vocab_size
+    native_weights = LeanLlama.native_weights
+    prompts, steps = [words(1, 2, 3, 4, 5), words(6, 7)], [words(3, 4, 5), words(0, 1, 2)]
+
+    def run(native: bool, prompts: list[list[int]], width: int) -> list[torch.Tensor]:
+        """Logits of `steps` fed `width` tokens a forward after the prompts, then the whole cache stack."""
+        monkeypatch.setattr(LeanLlama, "native_weights", native_weights if native else lambda self, rows: None)
+        state = KVState(model, len(prompts), "static", vocab, 32)
+        out = [state.prefill(prompts, PAD).logits[:, -1]]
+        rows = steps[-len(prompts):]
+        for i in range(0, 3, width):
+            tokens = torch.tensor([row[i : i + width] for row in rows])
+            out += state.forward(tokens, [[True] * width] * len(prompts)).logits.unbind(1)
+        return out + [state.backend.stack[:, :, :, : len(prompts[0]) + 3].clone()]
+
+    results = {}
+    with torch.inference_mode():
+        for name in runs:
+            monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, name=name: name)
+            for lin in lean.linears():
+                lin.paths.clear(), lin.products.clear()
+            lean.native_plans.clear()
+            results[name] = fused = run(True, prompts, 3)
+            assert 2 * 3 in lean.native_plans and all(lean.native_plans.values())
+            for a, b in zip(fused, run(False, prompts, 3), strict=True):
+                torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * b.abs().max().item())
+            for a, b in zip(fused, run(True, prompts, 1), strict=True):  # a verify row = a one-token step
+                assert torch.equal(a, b)
+            alone = run(True, prompts[1:], 1)  # the second row alone (its prompt unpadded)
+            for a, b in zip(fused[:-1], alone[:-1], strict=True):
+                assert torch.equal(a[1:], b)
+    assert all(torch.equal(a, b) for a, b in zip(*results.values(), strict=True))
+    monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
+    lean.native_plans.clear()
+    monkeypatch.setitem(lean.layers[0].qkv.paths, 2, "linear")
+    assert lean.native_weights(2) is None and lean.native_weights(3) is not None

@@ -40,7 +40,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import native
-from .leanllama import Linear, attend, in_c, pair_layer, pair_plan, rotate, silu_mul
+from .leanllama import Linear, attend, in_c, layer_plan, layers_plan, rotate, silu_mul
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -258,11 +258,11 @@ class EagleHead(nn.Module):
         # [B, t, C + 1]: entries are contiguous from 0
         mask = cache.slot_index <= positions[..., None] if visible is None else visible
         x = self._entries(tokens, g, lin)
-        weights = self.native_weights(tokens.numel()) if lean and in_c(x) else None
-        if weights is not None:  # the layer as one C call (the target's layers' function), the same bits
+        weights = self.native_weights(tokens.numel()) if lean and in_c(x, whole_layers=True) else None
+        if weights is not None:  # the layer as one C call (the target's layers' function; in bfloat16 the same bits)
             shape = (c.heads, c.kv_heads, c.head_dim, c.intermediate)
-            h = native.layers_bf16(x, weights, [cache.keys], [cache.values], cos, sin, slots, mask[:, None],
-                                   cache.keys.shape[2], shape, c.eps)
+            h = native.layers(x, weights, [cache.keys], [cache.values], cos, sin, slots, mask[:, None],
+                              cache.keys.shape[2], shape, c.eps)
             return h, self.logits(h, lean)
         x, q, k, v = self._qkv(tokens, g, cos, sin, lin, x)
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
@@ -273,12 +273,12 @@ class EagleHead(nn.Module):
         return h, self.logits(h, lean)
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
-        """The layer's weights for native.layers_bf16 at this row count (leanllama.pair_layer's), or None."""
+        """The layer's weights for native.layers at this row count (leanllama.layer_plan's), or None."""
         if rows not in self._native_plans:
             c, lin = self.config, self.lean_linears()
             fits = native.attends(c.heads, c.kv_heads, c.head_dim)
-            self._native_plans[rows] = pair_plan([fits and pair_layer(
-                rows, self.attn_norm, lin["qkv"], lin["o"], self.mlp_norm, lin["gate_up"], lin["down"])])
+            self._native_plans[rows] = layers_plan([fits and layer_plan(
+                rows, self.attn_norm, self.mlp_norm, (lin["qkv"], lin["o"], lin["gate_up"], lin["down"]))])
         return self._native_plans[rows]
 
 

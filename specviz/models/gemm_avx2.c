@@ -271,6 +271,12 @@ __attribute__((TARGET_BF16)) void specviz_gemm_dot_bf16(const int32_t *x, const 
     }
 }
 
+/* The pair kernel with the signature every product of specviz_layers has (k, not its pairs: k is even there). */
+void specviz_gemm_pairs(const void *x, const void *w, const float *bias, void *y, int m, int n, int k)
+{
+    specviz_gemm_dot_bf16(x, w, bias, y, m, n, k / 2);
+}
+
 /* RMSNorm of bfloat16 rows as transformers' LlamaRMSNorm computes it (leanllama.rms_norm): a row widened
    to float32, times 1 / sqrt(mean of its squares + eps), rounded to bfloat16, times the weight, rounded
    again, each rounding to nearest even as torch rounds. Only the order of the sum of squares differs
@@ -368,12 +374,28 @@ INLINE float sum8(__m256 v) /* one fixed order: halves, then pairs, then the las
 #define MAX_REP 16     /* query heads per key head */
 #define MAX_DIM 256    /* head dimension */
 
+/* p's elements at..at + min(count, 8) as float32, zeros after (a head dimension that is not a multiple of 8):
+   float32 storage or bfloat16 (f32 a constant where it is inlined). */
+INLINE __m256 load_at(const void *p, int64_t at, int64_t count, int f32)
+{
+    if (!f32)
+        return load_bf16((const uint16_t *)p + at, count);
+    if (count >= 8)
+        return _mm256_loadu_ps((const float *)p + at);
+    float part[8] = {0};
+    memcpy(part, (const float *)p + at, sizeof(float) * (size_t)count);
+    return _mm256_loadu_ps(part);
+}
+
 /* One work item: rep query heads of key head g at query i of batch row b, over a head dimension of D (a
    constant where it is inlined, so the accumulators stay in registers; the last chunk of 8 zero-padded).
+   q, k, v, out: the tensors, the item's first element of each at qo, ko, vo, oo (float32, f32, or bfloat16
+   numbers; the arithmetic is float32 either way, a bfloat16 output rounded once at the end).
    seen: scratch for L slot numbers; e: for rep rows of L + 8 scores. */
-INLINE void attend_item(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *row, uint16_t *out,
-                        int64_t L, int64_t rep, int64_t D, int64_t sm2, const int64_t *sk, const int64_t *sv,
-                        int64_t sq1, int64_t so1, float scale, int *seen, float *e)
+INLINE void attend_item(const void *q, int64_t qo, const void *k, int64_t ko, const void *v, int64_t vo,
+                        const uint8_t *row, void *out, int64_t oo, int64_t L, int64_t rep, int64_t D, int64_t sm2,
+                        const int64_t *sk, const int64_t *sv, int64_t sq1, int64_t so1, float scale, int *seen,
+                        float *e, int f32)
 {
     const int64_t chunks = (D + 7) / 8, Dp = 8 * chunks;
     int n = 0;
@@ -384,14 +406,15 @@ INLINE void attend_item(const uint16_t *q, const uint16_t *k, const uint16_t *v,
     float qf[MAX_REP * MAX_DIM] __attribute__((aligned(32)));
     for (int64_t r = 0; r < rep; r++)
         for (int64_t c = 0; c < chunks; c++)
-            _mm256_store_ps(qf + r * Dp + 8 * c, load_bf16(q + r * sq1 + 8 * c, D - 8 * c));
+            _mm256_store_ps(qf + r * Dp + 8 * c, load_at(q, qo + r * sq1 + 8 * c, D - 8 * c, f32));
     /* scores: e[r][m] = (q_r . k_seen[m]) * scale */
     for (int m = 0; m < n; m++) {
-        const uint16_t *kr = k + (int64_t)seen[m] * sk[2];
+        const int64_t kr = ko + (int64_t)seen[m] * sk[2];
         for (int64_t r = 0; r < rep; r++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t c = 0; c < chunks; c++)
-                acc = _mm256_fmadd_ps(_mm256_load_ps(qf + r * Dp + 8 * c), load_bf16(kr + 8 * c, D - 8 * c), acc);
+                acc = _mm256_fmadd_ps(_mm256_load_ps(qf + r * Dp + 8 * c), load_at(k, kr + 8 * c, D - 8 * c, f32),
+                                      acc);
             e[r * (L + 8) + m] = sum8(acc) * scale;
         }
     }
@@ -415,27 +438,31 @@ INLINE void attend_item(const uint16_t *q, const uint16_t *k, const uint16_t *v,
         for (int64_t c = 0; c < chunks; c++)
             acc[c] = _mm256_setzero_ps();
         for (int m = 0; m < n; m++) {
-            const uint16_t *vr = v + (int64_t)seen[m] * sv[2];
+            const int64_t vr = vo + (int64_t)seen[m] * sv[2];
             __m256 p = _mm256_set1_ps(er[m]);
             for (int64_t c = 0; c < chunks; c++)
-                acc[c] = _mm256_fmadd_ps(p, load_bf16(vr + 8 * c, D - 8 * c), acc[c]);
+                acc[c] = _mm256_fmadd_ps(p, load_at(v, vr + 8 * c, D - 8 * c, f32), acc[c]);
         }
         __m256 inv = _mm256_set1_ps(n ? 1.0f / sum8(sum) : 0.0f);
-        uint16_t *o = out + r * so1;
+        const int64_t o = oo + r * so1;
         float tmp[8];
         for (int64_t c = 0; c < chunks; c++) {
             _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[c], inv));
-            for (int64_t d = 0; d < 8 && 8 * c + d < D; d++)
-                o[8 * c + d] = to_bf16(tmp[d]);
+            for (int64_t d = 0; d < 8 && 8 * c + d < D; d++) {
+                if (f32)
+                    ((float *)out)[o + 8 * c + d] = tmp[d];
+                else
+                    ((uint16_t *)out)[o + 8 * c + d] = to_bf16(tmp[d]);
+            }
         }
     }
 }
 
 /* dims: B, H, KV, t, L, D. Strides in elements: q (batch, head, query), k and v (batch, key head, slot), mask
    (batch, query, slot), out (batch, head, query); the last dimension of each is contiguous. mask: 1 = the
-   query sees that slot. A query that sees nothing gets zeros. */
-void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask, uint16_t *out,
-                         const int64_t *dims, const int64_t *strides, float scale)
+   query sees that slot. A query that sees nothing gets zeros. f32: float32 tensors, else bfloat16. */
+INLINE void attend_all(const void *q, const void *k, const void *v, const uint8_t *mask, void *out,
+                       const int64_t *dims, const int64_t *strides, float scale, int f32)
 {
     const int64_t B = dims[0], H = dims[1], KV = dims[2], T = dims[3], L = dims[4], D = dims[5];
     const int64_t rep = H / KV, items = B * KV * T;
@@ -447,18 +474,31 @@ void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             const int64_t b = item / (KV * T), g = item / T % KV, i = item % T;
-            const uint16_t *qi = q + b * sq[0] + g * rep * sq[1] + i * sq[2], *kb = k + b * sk[0] + g * sk[1],
-                           *vb = v + b * sv[0] + g * sv[1];
+            const int64_t qo = b * sq[0] + g * rep * sq[1] + i * sq[2], ko = b * sk[0] + g * sk[1],
+                          vo = b * sv[0] + g * sv[1], oo = b * so[0] + g * rep * so[1] + i * so[2];
             const uint8_t *row = mask + b * sm[0] + i * sm[1];
-            uint16_t *oi = out + b * so[0] + g * rep * so[1] + i * so[2];
             if (D == 64)
-                attend_item(qi, kb, vb, row, oi, L, rep, 64, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
+                attend_item(q, qo, k, ko, v, vo, row, out, oo, L, rep, 64, sm[2], sk, sv, sq[1], so[1], scale, seen, e,
+                            f32);
             else
-                attend_item(qi, kb, vb, row, oi, L, rep, D, sm[2], sk, sv, sq[1], so[1], scale, seen, e);
+                attend_item(q, qo, k, ko, v, vo, row, out, oo, L, rep, D, sm[2], sk, sv, sq[1], so[1], scale, seen, e,
+                            f32);
         }
         free(seen);
         free(e);
     }
+}
+
+void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask, uint16_t *out,
+                         const int64_t *dims, const int64_t *strides, float scale)
+{
+    attend_all(q, k, v, mask, out, dims, strides, scale, 0);
+}
+
+static void attend_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out,
+                       const int64_t *dims, const int64_t *strides, float scale)
+{
+    attend_all(q, k, v, mask, out, dims, strides, scale, 1);
 }
 
 /* RoPE on a step's queries and keys, and its keys and values written to their cache slots, in one call
@@ -468,52 +508,64 @@ void specviz_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v
    [B, KV, capacity, D]; slots: int64, row b's t slot numbers from slots + b * dims[6] (0: the same for every
    row). Row by row: on the calling thread for a step or a verify (a few thousand numbers, less than starting
    threads costs), shared among OpenMP threads from 64 rows on (a prefill, a sampled batch), which does not
-   change any row's bits. */
-void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
-                             uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, const int64_t *dims)
+   change any row's bits. f32 (rope_store_f32, for specviz_layers): float32 tensors, x * cos + turned * sin in
+   float32 (the compiler may fuse one product into the sum: within rounding of ATen's, not its bits). */
+INLINE void rope_store(const void *qkv, const void *cos, const void *sin, const int64_t *slots, void *q_out,
+                       void *k_cache, void *v_cache, const int64_t *dims, int f32)
 {
     const int64_t B = dims[0], T = dims[1], H = dims[2], KV = dims[3], D = dims[4], C = dims[5], half = D / 2,
-                  slot_stride = dims[6];
+                  slot_stride = dims[6], size = f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (B * T >= 64)
     for (int64_t bi = 0; bi < B * T; bi++) {
-        const int64_t b = bi / T, i = bi % T;
-        const uint16_t *row = qkv + (b * T + i) * (H + 2 * KV) * D, *c = cos + (b * T + i) * D,
-                       *s = sin + (b * T + i) * D;
+        const int64_t b = bi / T, i = bi % T, co = (b * T + i) * D;
         for (int64_t h = 0; h < H + 2 * KV; h++) {
-            const uint16_t *x = row + h * D;
-            uint16_t *out = h < H ? q_out + ((b * T + i) * H + h) * D
-                                  : (h < H + KV ? k_cache : v_cache)
-                                        + ((b * KV + (h - H) % KV) * C + slots[b * slot_stride + i]) * D;
+            const int64_t xo = ((b * T + i) * (H + 2 * KV) + h) * D;
+            const int64_t oo = h < H ? ((b * T + i) * H + h) * D
+                                     : ((b * KV + (h - H) % KV) * C + slots[b * slot_stride + i]) * D;
+            char *out = (char *)(h < H ? q_out : h < H + KV ? k_cache : v_cache) + oo * size;
             if (h >= H + KV) { /* values: stored as they are */
-                memcpy(out, x, sizeof(uint16_t) * (size_t)D);
+                memcpy(out, (const char *)qkv + xo * size, (size_t)(size * D));
                 continue;
             }
+            if (f32) {
+                const float *x = (const float *)qkv + xo, *c = (const float *)cos + co, *s = (const float *)sin + co;
+                for (int64_t d = 0; d < D; d++)
+                    ((float *)out)[d] = x[d] * c[d] + (d < half ? -x[d + half] : x[d - half]) * s[d];
+                continue;
+            }
+            const uint16_t *x = (const uint16_t *)qkv + xo, *c = (const uint16_t *)cos + co,
+                           *s = (const uint16_t *)sin + co;
             for (int64_t d = 0; d < D; d++) {
                 float turned = d < half ? -from_bf16(x[d + half]) : from_bf16(x[d - half]);
-                out[d] = to_bf16(from_bf16(to_bf16(from_bf16(x[d]) * from_bf16(c[d])))
-                                 + from_bf16(to_bf16(turned * from_bf16(s[d]))));
+                ((uint16_t *)out)[d] = to_bf16(from_bf16(to_bf16(from_bf16(x[d]) * from_bf16(c[d])))
+                                               + from_bf16(to_bf16(turned * from_bf16(s[d]))));
             }
         }
     }
 }
 
-/* A stack of Llama decoder layers in one call (leanllama.LeanLayer.forward, bfloat16, every product through the
-   pair kernel: the caller has checked that this CPU has AVX512-BF16), the bits of the layer-by-layer path: the
-   same functions in the same order, and between them ATen's roundings (each elementwise result in float32,
-   rounded to bfloat16 to nearest even; SiLU looked up in `silu`, ATen's own SiLU of each of the 65,536
-   bfloat16 values). What it saves is the per-operation cost of the path above it: a dozen Python calls and
-   ATen operations a layer, a few microseconds each, thirty layers a forward. The EAGLE head's one layer
-   takes it too.
-   x: [rows, C] (rows = B t), updated in place. dims: layers, B, t, C, H, KV, D, I (the MLP's width), capacity,
-   kv_len, the mask's strides (batch, query, slot), and the slots' row stride (rope_store's dims[6]). weights:
-   per layer norm1, qkv (packed), qkv bias (float32 or NULL), o (packed), o bias, norm2, gate_up (packed), down
-   (packed). caches: per layer keys, values ([B, KV, capacity, D]). cos, sin: [B, t, D]; mask: 1 = the query
-   sees the slot; scale: the attention's, as the layer-by-layer path passes it; scratch: rows (2 C + (H + 2 KV) D
-   + 2 H D + 3 I) numbers for the intermediate results. */
+void specviz_rope_store_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *slots,
+                             uint16_t *q_out, uint16_t *k_cache, uint16_t *v_cache, const int64_t *dims)
+{
+    rope_store(qkv, cos, sin, slots, q_out, k_cache, v_cache, dims, 0);
+}
+
+/* Decoder layers in one call (specviz_layers, below): between its products, what leanllama.LeanLayer.forward
+   does with ATen operations, as C. In bfloat16 with ATen's roundings (each elementwise result in float32, rounded
+   to bfloat16 to nearest even; SiLU looked up in `silu`, ATen's own SiLU of each of the 65,536 bfloat16 values),
+   so the same bits as the layer-by-layer path. In float32 in specviz's own order (the sum of squares of an
+   RMSNorm in eight lanes, SiLU from exp_neg's polynomial): within rounding of ATen's numbers, not its bits, and a
+   row's numbers never depend on the rows beside it. */
 static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
         x[i] = to_bf16(from_bf16(x[i]) + from_bf16(y[i]));
+}
+
+static void add_f32(float *x, const float *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] += y[i];
 }
 
 /* act[r, i] = SiLU(gate) * up, gate_up [rows, 2 I] (gate, then up): SiLU from the table, the product rounded. */
@@ -526,30 +578,97 @@ void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16
     }
 }
 
-void specviz_layers_bf16(uint16_t *x, const int64_t *dims, void *const *weights, uint16_t *const *caches,
-                         const uint16_t *cos, const uint16_t *sin, const int64_t *slots, const uint8_t *mask,
-                         const uint16_t *silu, uint16_t *scratch, float eps, float scale)
+/* The same in float32: SiLU(g) = g / (1 + e^-g) as ATen writes it, with e = e^-|g| (never overflows) and, for a
+   negative g, g e / (1 + e); eight lanes at a time, a lane's result independent of its lane. */
+static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t I)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * I, *up = gate + I;
+        for (int64_t i = 0; i < I; i += 8) {
+            const int64_t count = I - i < 8 ? I - i : 8;
+            __m256 g = load_at(gate, i, count, 1), e = exp_neg(_mm256_or_ps(g, sign)); /* e^-|g| */
+            __m256 top = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), g); /* g e where g is negative */
+            float out[8];
+            _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_div_ps(top, _mm256_add_ps(one, e)), load_at(up, i, count, 1)));
+            memcpy(act + r * I + i, out, sizeof(float) * (size_t)count);
+        }
+    }
+}
+
+/* RMSNorm in float32: y = w (x / sqrt(mean of x^2 + eps)), the sum of squares in eight lanes, then sum8. */
+static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 v = load_at(xr, i, n - i, 1);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float scale = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(sum8(acc) / (float)n + eps)));
+        for (int64_t i = 0; i < n; i++)
+            y[r * n + i] = w[i] * (xr[i] * scale);
+    }
+}
+
+/* A product of specviz_layers: y [m, n] = x [m, k] w^T + b, through the packed weight w, in the model's dtype
+   (specviz_gemm and the others above: the caller took each from the path this machine chose for it). */
+typedef void (*product_fn)(const void *x, const void *w, const float *b, void *y, int m, int n, int k);
+
+/* A stack of Llama decoder layers in one call (leanllama.LeanLayer.forward, where each product's path is one of
+   the kernels above), in bfloat16 the layer-by-layer path's bits (the same functions in the same order); in
+   float32 see above. What it saves is the per-operation cost of the path above it: a dozen Python calls and ATen
+   operations a layer, a few microseconds each, thirty layers a forward. The EAGLE head's one layer takes it too.
+   x: [rows, C] (rows = B t), updated in place. dims: layers, B, t, C, H, KV, D, I (the MLP's width), capacity,
+   kv_len, the mask's strides (batch, query, slot), the slots' row stride (rope_store's dims[6]), and 1 for float32
+   (else bfloat16). weights: per layer norm1, norm2, then for qkv, o, gate_up and down each the product's function,
+   its packed weight and its bias (float32 or NULL). caches: per layer keys, values ([B, KV, capacity, D]). cos,
+   sin: [B, t, D]; mask: 1 = the query sees the slot; silu: the bfloat16 table (bfloat16 only); scale: the
+   attention's, as the layer-by-layer path passes it; scratch: rows (2 C + (H + 2 KV) D + 2 H D + 3 I) numbers of
+   the model's dtype for the intermediate results. */
+void specviz_layers(void *x, const int64_t *dims, void *const *weights, void *const *caches, const void *cos,
+                    const void *sin, const int64_t *slots, const uint8_t *mask, const uint16_t *silu, void *scratch,
+                    float eps, float scale)
 {
     const int64_t layers = dims[0], B = dims[1], T = dims[2], C = dims[3], H = dims[4], KV = dims[5], D = dims[6],
-                  I = dims[7], capacity = dims[8], L = dims[9], rows = B * T, width = (H + 2 * KV) * D;
-    uint16_t *h = scratch, *qkv = h + rows * C, *q = qkv + rows * width, *att = q + rows * H * D, *gu = att + rows * H * D,
-             *act = gu + rows * 2 * I, *y = act + rows * I;
+                  I = dims[7], capacity = dims[8], L = dims[9], f32 = dims[14], rows = B * T,
+                  width = (H + 2 * KV) * D, size = f32 ? 4 : 2;
+    char *h = scratch, *qkv = h + rows * C * size, *q = qkv + rows * width * size, *att = q + rows * H * D * size,
+         *gu = att + rows * H * D * size, *act = gu + rows * 2 * I * size, *y = act + rows * I * size;
     const int64_t rope_dims[7] = {B, T, H, KV, D, capacity, dims[13]}, attend_dims[6] = {B, H, KV, T, L, D};
     /* strides: q and the output [B, t, H, D] read as [B, H, t, D]; caches [B, KV, capacity, D]; mask as given */
     const int64_t strides[15] = {T * H * D, D, H * D, KV * capacity * D, capacity * D, D, KV * capacity * D,
                                  capacity * D, D, dims[10], dims[11], dims[12], T * H * D, D, H * D};
     for (int64_t l = 0; l < layers; l++) {
-        void *const *w = weights + 8 * l;
-        specviz_rms_bf16(x, w[0], h, (int)rows, (int)C, eps);
-        specviz_gemm_dot_bf16((const int32_t *)h, w[1], w[2], qkv, (int)rows, (int)width, (int)(C / 2));
-        specviz_rope_store_bf16(qkv, cos, sin, slots, q, caches[2 * l], caches[2 * l + 1], rope_dims);
-        specviz_attend_bf16(q, caches[2 * l], caches[2 * l + 1], mask, att, attend_dims, strides, scale);
-        specviz_gemm_dot_bf16((const int32_t *)att, w[3], w[4], y, (int)rows, (int)C, (int)(H * D / 2));
-        add_bf16(x, y, rows * C);
-        specviz_rms_bf16(x, w[5], h, (int)rows, (int)C, eps);
-        specviz_gemm_dot_bf16((const int32_t *)h, w[6], NULL, gu, (int)rows, (int)(2 * I), (int)(C / 2));
-        specviz_silu_mul_bf16(gu, silu, act, rows, I);
-        specviz_gemm_dot_bf16((const int32_t *)act, w[7], NULL, y, (int)rows, (int)C, (int)(I / 2));
-        add_bf16(x, y, rows * C);
+        void *const *w = weights + 14 * l, *k_cache = caches[2 * l], *v_cache = caches[2 * l + 1];
+#define PRODUCT(p, in, out, n, k) ((product_fn)w[2 + 3 * (p)])(in, w[3 + 3 * (p)], w[4 + 3 * (p)], out, (int)rows, \
+                                                                (int)(n), (int)(k))
+        if (f32) {
+            rms_f32(x, w[0], (float *)h, rows, C, eps);
+            PRODUCT(0, h, qkv, width, C);
+            rope_store(qkv, cos, sin, slots, q, k_cache, v_cache, rope_dims, 1);
+            attend_f32((float *)q, k_cache, v_cache, mask, (float *)att, attend_dims, strides, scale);
+            PRODUCT(1, att, y, C, H * D);
+            add_f32(x, (float *)y, rows * C);
+            rms_f32(x, w[1], (float *)h, rows, C, eps);
+            PRODUCT(2, h, gu, 2 * I, C);
+            silu_mul_f32((float *)gu, (float *)act, rows, I);
+            PRODUCT(3, act, y, C, I);
+            add_f32(x, (float *)y, rows * C);
+        } else {
+            specviz_rms_bf16(x, w[0], (uint16_t *)h, (int)rows, (int)C, eps);
+            PRODUCT(0, h, qkv, width, C);
+            rope_store(qkv, cos, sin, slots, q, k_cache, v_cache, rope_dims, 0);
+            specviz_attend_bf16((uint16_t *)q, k_cache, v_cache, mask, (uint16_t *)att, attend_dims, strides, scale);
+            PRODUCT(1, att, y, C, H * D);
+            add_bf16(x, (uint16_t *)y, rows * C);
+            specviz_rms_bf16(x, w[1], (uint16_t *)h, (int)rows, (int)C, eps);
+            PRODUCT(2, h, gu, 2 * I, C);
+            specviz_silu_mul_bf16((uint16_t *)gu, silu, (uint16_t *)act, rows, I);
+            PRODUCT(3, act, y, C, I);
+            add_bf16(x, (uint16_t *)y, rows * C);
+        }
+#undef PRODUCT
     }
 }

@@ -73,6 +73,9 @@ class KernelPath:
     # paths sharing a name give a row the same bits at any row count, on either of them (specviz's kernels: each
     # output one chain of operations); "": a row's bits may depend on the call (the libraries block by shape)
     bits: str = ""
+    # (the model dtype, the C function): where a model of that dtype has a product on this path, native.layers can
+    # run it inside its one call (leanllama.layer_plan), through that function of the library
+    layers: tuple[torch.dtype, str] | None = None
 
     def run(self, x: torch.Tensor, packed, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         """One product, bound for it alone (a compiled graph's opaque call; checks)."""
@@ -170,19 +173,22 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
                "weights packed for MKL's sgemm, one copy per row count"),
     KernelPath("avx2", (torch.float32, torch.bfloat16), False, _avx2_pack, _native(False),
                "specviz's own AVX2/FMA kernel: weights in 16-column blocks, up to 6 rows per pass, float32 sums "
-               "(bfloat16 weights widened in registers; native.py)", bits="specviz"),
+               "(bfloat16 weights widened in registers; native.py)", bits="specviz",
+               layers=(torch.float32, "specviz_gemm")),
     KernelPath("avx512", (torch.float32, torch.bfloat16), False, _avx512_pack, _native(True),
                "the same kernel in AVX-512 registers: a block per register, up to 12 rows per pass, the same bits",
-               bits="specviz"),
+               bits="specviz", layers=(torch.float32, "specviz_gemm512")),
     KernelPath("avx512-dot", (torch.bfloat16,), False, _pairs_pack, _pairs,
                "specviz's kernel for bfloat16 models with AVX512-BF16: a pair of products per lane and instruction",
-               bits="pairs"),
+               bits="pairs", layers=(torch.bfloat16, "specviz_gemm_pairs")),
     KernelPath("avx2-bf16", (torch.float32,), False, lambda w, rows: native.pack(w, torch.bfloat16), _native(False),
                "the same kernel on weights rounded to bfloat16, half the bytes (drafters only)", lossy=True,
-               numbers="bfloat16 weights", bits="specviz, bfloat16 weights"),
+               numbers="bfloat16 weights", bits="specviz, bfloat16 weights",
+               layers=(torch.float32, "specviz_gemm_bf16")),
     KernelPath("avx512-bf16", (torch.float32,), False, lambda w, rows: _avx512_pack(w.bfloat16(), rows),
                _native(True), "the AVX-512 kernel on weights rounded to bfloat16 (drafters only)", lossy=True,
-               numbers="bfloat16 weights", bits="specviz, bfloat16 weights"),
+               numbers="bfloat16 weights", bits="specviz, bfloat16 weights",
+               layers=(torch.float32, "specviz_gemm512_bf16")),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True,
                numbers="int8", bits="int8"),

@@ -152,15 +152,16 @@ def _fused(*linears: nn.Linear) -> Linear:
     return Linear(torch.cat([lin.weight for lin in linears]), None if biases[0] is None else torch.cat(biases))
 
 
-def in_c(x: torch.Tensor) -> bool:
+def in_c(x: torch.Tensor, whole_layers: bool = False) -> bool:
     """Whether bfloat16 work on x goes through specviz's C functions: an RMSNorm in one call (native.rms_bf16:
     transformers' roundings, only the sum of squares in another order), where eight small ATen operations
     cost more than the norm's arithmetic, attention (native.attend_bf16, see `attend`), and RoPE with the
     cache writes (native.rope_store_bf16, ATen's roundings). bfloat16 on a CPU; not while compiling
     (inductor fuses the operations itself), not where gradients flow, and not where the library does not
-    run."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and native.runs_here())
+    run. whole_layers: whether x's layers may run in one call (native.layers), which takes float32 too."""
+    return (x.dtype in ((torch.bfloat16, torch.float32) if whole_layers else (torch.bfloat16,))
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and native.runs_here())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -248,37 +249,41 @@ def _vector_isa_known_good() -> bool:
     return True
 
 
-def pair_layer(rows: int, norm1: torch.Tensor, qkv: Linear, o: Linear, norm2: torch.Tensor, gate_up: Linear,
-               down: Linear) -> tuple[list, list] | None:
-    """A Llama layer's eight addresses for native.layers_bf16 at this row count (its norms' weights, its packed
-    products and the attention's float32 biases), with the biases they point into, or None where the layer does
-    not fit it: each of its products took the pair kernel at this row count (this machine's timings chose it;
-    packs on first use, as a product would), bfloat16 norms, no MLP biases, even widths (pairs of k), heads
-    the C attention takes (the caller checks those)."""
-    products = (qkv, o, gate_up, down)
-    if norm1.dtype != torch.bfloat16 or norm2.dtype != torch.bfloat16 or gate_up.bias is not None \
-            or down.bias is not None or any(lin.weight.shape[1] % 2 for lin in products) \
-            or any(lin.path(rows)[0] != "avx512-dot" for lin in products):
+def layer_plan(rows: int, norm1: torch.Tensor, norm2: torch.Tensor, products: tuple[Linear, ...]
+               ) -> tuple[list, list] | None:
+    """A Llama layer's fourteen addresses for native.layers at this row count (its norms' weights, then for each
+    of its products qkv, o, gate_up and down the C function of the path this machine's timings chose for it at
+    this row count, its packed weight and its float32 bias), with the biases they point into; or None where the
+    layer does not fit the call: a product's path has no C function for the model's dtype (kernels.KernelPath's
+    `layers`; packs on first use, as a product would), norms of another dtype, odd widths (the pair kernel takes
+    pairs of k). The caller checks the heads (native.attends)."""
+    dtype = products[0].weight.dtype
+    if norm1.dtype != dtype or norm2.dtype != dtype or any(lin.weight.shape[1] % 2 for lin in products):
         return None
-    biases = [None if lin.bias is None else lin.bias.float().contiguous() for lin in (qkv, o)]
-    pointers = [norm1.data_ptr(), qkv.path(rows)[1].data_ptr(), biases[0], o.path(rows)[1].data_ptr(), biases[1],
-                norm2.data_ptr(), gate_up.path(rows)[1].data_ptr(), down.path(rows)[1].data_ptr()]
-    return [p.data_ptr() if isinstance(p, torch.Tensor) else p for p in pointers], biases
+    pointers, biases = [norm1.data_ptr(), norm2.data_ptr()], []
+    for lin in products:
+        name, packed = lin.path(rows)
+        runs = kernels.PATHS[name].layers
+        if runs is None or runs[0] != dtype:
+            return None
+        biases.append(None if lin.bias is None else lin.bias.float().contiguous())
+        pointers += [native.entry(runs[1]), packed.data_ptr(), None if biases[-1] is None else biases[-1].data_ptr()]
+    return pointers, biases
 
 
-def pair_plan(layers: list[tuple[list, list] | None]) -> ctypes.Array | None:
-    """Layers' pair_layer answers as native.layers_bf16's weights (holding the biases they point into), or None
-    where one does not fit."""
+def layers_plan(layers: list[tuple[list, list] | None]) -> ctypes.Array | None:
+    """Layers' layer_plan answers as native.layers' weights (holding the biases they point into), or None where
+    one does not fit."""
     if not layers or not all(layers):
         return None
-    plan = (ctypes.c_void_p * (8 * len(layers)))(*(p for pointers, _ in layers for p in pointers))
+    plan = (ctypes.c_void_p * (14 * len(layers)))(*(p for pointers, _ in layers for p in pointers))
     plan.holds = [held for _, held in layers]
     return plan
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of a fused projection's output [..., 2 I]; in bfloat16 on a CPU (`in_c`) ATen's SiLU of each
-    value looked up, in one call with ATen's bits (native.silu_mul_bf16, as native.layers_bf16 computes it)."""
+    value looked up, in one call with ATen's bits (native.silu_mul_bf16, as native.layers computes it)."""
     if in_c(gate_up):
         return native.silu_mul_bf16(gate_up)
     gate, up = gate_up.chunk(2, -1)
@@ -389,13 +394,13 @@ class LeanLlama(nn.Module):
             del self.spare[:-SPARE_SETS]
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
-        """The layers' weights for native.layers_bf16 at this row count (pair_layer's, layer after layer), or
-        None where a layer does not fit it."""
+        """The layers' weights for native.layers at this row count (layer_plan's, layer after layer), or None
+        where a layer does not fit it."""
         if rows not in self.native_plans:
             fits = native.attends(self.heads, self.kv_heads, self.head_dim)
-            layers = [pair_layer(rows, layer.norm1.weight, layer.qkv, layer.o, layer.norm2.weight, layer.gate_up,
-                                 layer.down) if fits and layer.q_norm is None else None for layer in self.layers]
-            self.native_plans[rows] = pair_plan(layers)
+            layers = [layer_plan(rows, layer.norm1.weight, layer.norm2.weight, (layer.qkv, layer.o, layer.gate_up,
+                                 layer.down)) if fits and layer.q_norm is None else None for layer in self.layers]
+            self.native_plans[rows] = layers_plan(layers)
         return self.native_plans[rows]
 
     def linears(self) -> list[Linear]:
@@ -411,14 +416,14 @@ class LeanLlama(nn.Module):
         spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only)
         and, if asked, the last hidden state [B, t, C]."""
         x = self.embed(ids)  # [B, t, C]
-        if not in_c(x):  # the C attention reads the boolean mask
+        weights = self.native_weights(ids.numel()) if packed and in_c(x, whole_layers=True) else None
+        if weights is None and not in_c(x):  # the C attention reads the boolean mask
             mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
-        weights = self.native_weights(ids.numel()) if packed and in_c(x) else None
-        if weights is not None:  # every layer in one C call, the same bits
+        if weights is not None:  # every layer in one C call (in bfloat16 the same bits)
             shape = (self.heads, self.kv_heads, self.head_dim, self.layers[0].down.weight.shape[1])
-            x = native.layers_bf16(x, weights, keys, values, cos, sin, slots, mask, kv_len, shape, self.eps)
+            x = native.layers(x, weights, keys, values, cos, sin, slots, mask, kv_len, shape, self.eps)
         else:
             for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
                 x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)

@@ -9,7 +9,8 @@ bfloat16 and multiplies pairs of them per instruction (the path "avx512-dot", `p
 bfloat16 RMSNorm (`rms_bf16`: one call where ATen runs eight small operations), bfloat16 attention
 (`attend_bf16`: a query's numbers from the keys it sees alone, so a verify row, a tree node and a batch
 row get a one-token step's bits), RoPE with the cache writes (`rope_store_bf16`), SiLU times up
-(`silu_mul_bf16`), and all of these chained over a forward's layers in one call (`layers_bf16`).
+(`silu_mul_bf16`), and all of these chained over a forward's layers in one call (`layers`; float32 models too,
+with float32 versions of them).
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
@@ -102,9 +103,14 @@ def library() -> ctypes.CDLL:
     lib.specviz_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2  # gate_up, table, act, rows, I
     lib.specviz_silu_mul_bf16.restype = None
     # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, scratch, eps, scale
-    lib.specviz_layers_bf16.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
-    lib.specviz_layers_bf16.restype = None
+    lib.specviz_layers.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
+    lib.specviz_layers.restype = None
     return lib
+
+
+def entry(name: str) -> int:
+    """The address of the library's function `name` (a product's kernel, for a `layers` weight plan)."""
+    return ctypes.cast(getattr(library(), name), ctypes.c_void_p).value
 
 
 @functools.cache
@@ -189,7 +195,7 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
 @functools.cache
 def silu_table() -> torch.Tensor:
     """ATen's SiLU of each of the 65,536 bfloat16 values, indexed by the value's bits: what silu_mul_bf16 and
-    layers_bf16 look up (computed here, by this machine's ATen kernel, so it is ATen's bits)."""
+    `layers` look up in bfloat16 (computed here, by this machine's ATen kernel, so it is ATen's bits)."""
     bits = torch.arange(65536, dtype=torch.int32)
     values = torch.where(bits < 32768, bits, bits - 65536).to(torch.int16).view(torch.bfloat16)
     return torch.nn.functional.silu(values).view(torch.int16).contiguous()
@@ -207,34 +213,38 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     return act
 
 
-def layers_bf16(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], values: list[torch.Tensor],
-                cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, kv_len: int,
-                shape: tuple[int, int, int, int], eps: float) -> torch.Tensor:
-    """Decoder layers in one call (gemm_avx2.c, specviz_layers_bf16): x [B, t, C] (bfloat16) -> the last layer's
-    output, the bits of leanllama.LeanLayer.forward layer after layer with every product through the pair kernel
-    (`weights`: the packed products' addresses, 8 a layer, from leanllama.LeanLlama.native_weights, which checks
-    that they took that path); keys and values [B, KV, capacity, D] are written at `slots` ([t] or [B, t]) as
-    there. shape: H, KV, D, I. mask [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D]."""
+def layers(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], values: list[torch.Tensor],
+           cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, kv_len: int,
+           shape: tuple[int, int, int, int], eps: float) -> torch.Tensor:
+    """Decoder layers in one call (gemm_avx2.c, specviz_layers): x [B, t, C] (bfloat16 or float32) -> the last
+    layer's output, what leanllama.LeanLayer.forward computes layer after layer, with every product through the
+    C kernel its path runs (`weights`: 14 addresses a layer, from leanllama.LeanLlama.native_weights, which checks
+    that the paths have one); in bfloat16 its bits, in float32 within rounding and row by row alone. keys and
+    values [B, KV, capacity, D] are written at `slots` ([t] or [B, t]) as there. shape: H, KV, D, I. mask
+    [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D] in x's dtype."""
     heads, kv_heads, dim, inter = shape
     batch, t, width = x.shape
     out = x.contiguous().clone()
     cos, sin, slots = cos.contiguous(), sin.contiguous(), slots.contiguous()
     mask = mask[:, 0]
-    if mask.dtype != torch.bool or cos.dtype != torch.bfloat16 or cos.numel() != batch * t * dim \
+    if x.dtype not in (torch.bfloat16, torch.float32) or mask.dtype != torch.bool \
+            or {cos.dtype, sin.dtype, *(c.dtype for c in keys + values)} != {x.dtype} \
+            or cos.numel() != batch * t * dim \
             or any(not (c.is_contiguous() and c.shape == keys[0].shape) for c in keys + values) \
-            or keys[0].shape[:2] != (batch, kv_heads) or keys[0].shape[3] != dim or len(weights) != 8 * len(keys) \
+            or keys[0].shape[:2] != (batch, kv_heads) or keys[0].shape[3] != dim or len(weights) != 14 * len(keys) \
             or slots.dtype != torch.int64 or slots.shape not in ((t,), (batch, t)):
-        raise ValueError("layers_bf16 needs a bool mask, bfloat16 cos and sin [B, t, D], one set of packed weights "
-                         "a layer and contiguous caches [B, KV, capacity, D]")
-    dims = (ctypes.c_int64 * 14)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
-                                 *mask.stride(), t if slots.dim() == 2 else 0)
+        raise ValueError("layers needs bfloat16 or float32 x, cos and sin [B, t, D] and contiguous caches "
+                         "[B, KV, capacity, D] alike, a bool mask and one set of weights a layer")
+    f32 = x.dtype == torch.float32
+    dims = (ctypes.c_int64 * 15)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
+                                 *mask.stride(), t if slots.dim() == 2 else 0, f32)
     caches = (ctypes.c_void_p * (2 * len(keys)))(*(p for k, v in zip(keys, values, strict=True)
                                                    for p in (k.data_ptr(), v.data_ptr())))
     scratch = torch.empty(batch * t * (2 * width + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter),
-                          dtype=torch.bfloat16)
-    library().specviz_layers_bf16(out.data_ptr(), dims, weights, caches, cos.data_ptr(), sin.data_ptr(),
-                                  slots.data_ptr(), mask.data_ptr(), silu_table().data_ptr(), scratch.data_ptr(), eps,
-                                  dim ** -0.5)
+                          dtype=x.dtype)
+    library().specviz_layers(out.data_ptr(), dims, weights, caches, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                             mask.data_ptr(), None if f32 else silu_table().data_ptr(), scratch.data_ptr(), eps,
+                             dim ** -0.5)
     return out
 
 
