@@ -3,7 +3,9 @@
    16 output columns is 16 consecutive weights per k, read once from memory per call and kept in cache
    while up to 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 ymm registers)
    pass over it; with more than one row the first pass also prefetches the next block (the hardware
-   prefetcher alone left memory idle while a pass computed, on the AVX2 CPU this was timed on).
+   prefetcher alone left memory idle while a pass computed, on the AVX2 CPU this was timed on) into L2,
+   not L1: a float32 block of 576 k is 36 KB, so with the next one beside it in a 32 KB L1 each evicted
+   the other, and a forward of 6 rows cost 1.45x one row's; into L2 1.0x (CPU A, BENCHMARKS.md).
    Weights are float32 (specviz_gemm) or bfloat16 (specviz_gemm_bf16: half the bytes to stream, each
    widened to float32 in registers, exactly; x, the sums and y stay float32).
    Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
@@ -59,7 +61,7 @@ INLINE void rows_by_block(const float *x, const void *wb, const char *next, int 
     size_t line = bf16 ? 32 : 64; /* bytes of one k's 16 weights */
     for (int k = 0; k < k_len; k++) {
         if (next) /* the next block, as much per k as this one reads, while this one computes */
-            _mm_prefetch(next + line * k, _MM_HINT_T0);
+            _mm_prefetch(next + line * k, _MM_HINT_T1);
         load16(wb, bf16, k, &w0, &w1);
         ROW(0, a0, a1) ROW(1, b0, b1) ROW(2, c0, c1) ROW(3, d0, d1) ROW(4, e0, e1) ROW(5, f0, f1)
     }
@@ -141,7 +143,7 @@ INLINE512 void rows_by_block512(const float *x, const void *wb, const char *next
     size_t line = bf16 ? 32 : 64;
     for (int k = 0; k < k_len; k++) {
         if (next)
-            _mm_prefetch(next + line * k, _MM_HINT_T0);
+            _mm_prefetch(next + line * k, _MM_HINT_T1);
         __m512 w = load16_512(wb, bf16, k);
         ROW512(0, a0) ROW512(1, a1) ROW512(2, a2) ROW512(3, a3) ROW512(4, a4) ROW512(5, a5)
         ROW512(6, a6) ROW512(7, a7) ROW512(8, a8) ROW512(9, a9) ROW512(10, a10) ROW512(11, a11)
