@@ -515,12 +515,14 @@ def test_without_avx2_our_kernel_is_skipped_and_decoding_runs(pattern_dirs, tmp_
     assert "needs AVX2 and FMA" in why
 
 
-def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(random_pair, fresh_tables,
-                                                                                       monkeypatch):
-    """bf16 on a CPU with every product forced through specviz's AVX2 kernel (a row's numbers alone, at any row
-    count) and attention through its C kernel (a query's numbers from the keys it sees, wherever they lie):
-    greedy chains and trees decode plain decoding's tokens, and batch rows their tokens alone, on an untrained
-    pair whose bf16 logits lie close (near ties everywhere). With ATen's attention it fails (checked)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(random_pair, fresh_tables, monkeypatch,
+                                                                               dtype):
+    """bf16 and float32 on a CPU with every product forced through specviz's AVX2 kernel (a row's numbers alone,
+    at any row count) and attention through its C kernel (a query's numbers from the keys it sees, wherever they
+    lie; in float32 inside the layers' one C call): greedy chains and trees decode plain decoding's tokens with the
+    same p bit for bit, and batch rows their numbers alone, on an untrained pair whose logits lie close (near
+    ties everywhere). With ATen's attention it fails (checked)."""
     import dataclasses
 
     from specviz.core.generator import generate_batch
@@ -534,12 +536,13 @@ def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_in
         pytest.skip("specviz's C functions do not run here")
     monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "avx2")
     pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
-                     device="cpu", dtype=torch.bfloat16)
+                     device="cpu", dtype=dtype)
     torch.manual_seed(0)
     head = EagleHead(HeadConfig.for_target(pair.target, words(0, 1, 2, 5, 6), pair.vocab_size, 16))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    pair = dataclasses.replace(pair, head=head.to(torch.bfloat16).bind(pair.target, pair.vocab_size), head_name="r")
+    pair = dataclasses.replace(pair, head=head.to(dtype).bind(pair.target, pair.vocab_size), head_name="r")
+
     def ps(run):  # the target's p of each emitted token, in text order
         return [t.p for t in run.records()]
 
@@ -555,10 +558,12 @@ def test_bfloat16_speculation_decodes_the_plain_tokens_where_every_sum_is_row_in
         assert [ps(r) for r in batch] == [ps(r) for r in alone]
     lean = LeanLlama.of(pair.target)
     assert {p for lin in lean.linears() for p in lin.paths.values()} == {"avx2"}
+    # float32: the layers ran in one call at every row count; bf16 through `avx2` layer by layer (C attention)
+    assert lean.native_plans and all(lean.native_plans.values()) == (dtype == torch.float32)
     # what `specviz check` reads off the run: every row computed alone here, not with another cache or product
     static, dynamic = (check.Case("eagle", 3, 2, 4, cache, False, 0.0) for cache in ("static", "dynamic"))
     assert check.row_alone(pair, static) and not check.row_alone(pair, dynamic)
-    assert _bit_for_bit(pair).startswith("bit for bit: yes")  # what `specviz kernels` says in bf16
+    assert _bit_for_bit(pair).startswith("bit for bit: yes")  # what `specviz kernels` says
     monkeypatch.setitem(lean.head.paths, 7, "linear")  # ATen's product at one more row count
     assert not check.row_alone(pair, static)
     said = _bit_for_bit(pair)

@@ -5,7 +5,8 @@
    pass over it; with more than one row the first pass also prefetches the next block (the hardware
    prefetcher alone left memory idle while a pass computed, on the AVX2 CPU this was timed on) into L2,
    not L1: a float32 block of 576 k is 36 KB, so with the next one beside it in a 32 KB L1 each evicted
-   the other, and a forward of 6 rows cost 1.45x one row's; into L2 1.0x (CPU A, BENCHMARKS.md).
+   the other: a 6-row forward's products cost 1.2-1.4x one row's, into L2 0.94-1.04x (CPU A, BENCHMARKS.md,
+   "eighth session").
    Weights are float32 (specviz_gemm) or bfloat16 (specviz_gemm_bf16: half the bytes to stream, each
    widened to float32 in registers, exactly; x, the sums and y stay float32).
    Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's

@@ -18,8 +18,9 @@ by up to a bfloat16 step of the logits (several percent of a probability) in bfl
 sampled draws that lie near a boundary and, in reduced precision, near ties, so texts that part
 with their numbers within rounding are reported as `differs`, not failed; in float32 greedy text
 must equal plain decoding's, and in reduced precision the gaps are shown, not judged, except where
-every number is computed row by row alone (`row_alone`: bfloat16 attention in specviz's C kernel and
-each product through paths of one `bits` family at every row count): there any difference fails. Each case
+every number is computed row by row alone (`row_alone`: attention in specviz's C kernel, in float32 the
+layers in one C call, and each product through paths of one `bits` family at every row count): there any
+difference fails. Each case
 also reports its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager
 cases only), the warnings it raised (a compiled forward falling back to eager, for one) and how
 often inductor ran a compiled graph without CUDA graphs. No timings here: `bench` measures.
@@ -129,12 +130,13 @@ def one_family(lin) -> bool:
 
 def row_alone(pair: ModelPair, case: Case) -> bool:
     """Whether the case's numbers were all computed row by row alone, after it ran (the paths are chosen as row
-    counts come): the static cache, eager, in bfloat16 on a CPU, attention through specviz's C kernel (a query's
-    bits from the keys it sees alone, leanllama.attend), and every product of the target and of the drafter
-    through paths of one `bits` family at every row count it took. Then a verify row, a tree node and a batch
-    row carry the bits of the plain step and of the prompt alone, and any difference is a bug."""
-    if (case.cache, case.compiled, pair.dtype, pair.device.type) != ("static", False, torch.bfloat16, "cpu") \
-            or not native.runs_here():
+    counts come): the static cache, eager, on a CPU, attention through specviz's C kernel (a query's bits from
+    the keys it sees alone: leanllama.attend in bfloat16; in float32 only inside native.layers, so there every
+    product must have taken a path that call runs), and every product of the target and of the drafter through
+    paths of one `bits` family at every row count it took. Then a verify row, a tree node and a batch row carry
+    the bits of the plain step and of the prompt alone, and any difference is a bug."""
+    if (case.cache, case.compiled, pair.device.type) != ("static", False, "cpu") \
+            or pair.dtype not in (torch.bfloat16, torch.float32) or not native.runs_here():
         return False
     leans = [LeanLlama.of(m) for m in (pair.target, pair.draft if case.drafter == "model" else None)
              if m is not None and LeanLlama.supports(m)]
@@ -146,7 +148,9 @@ def row_alone(pair: ModelPair, case: Case) -> bool:
         c = pair.head.config
         heads.append((c.heads, c.kv_heads, c.head_dim))
         linears += pair.head.lean_linears().values()
-    return all(native.attends(*h) for h in heads) and all(one_family(lin) for lin in linears)
+    in_call = pair.dtype == torch.bfloat16 or all(kernels.PATHS[name].layers for lin in linears
+                                                   for name in lin.paths.values())
+    return in_call and all(native.attends(*h) for h in heads) and all(one_family(lin) for lin in linears)
 
 
 def gap(a: Run, b: Run) -> tuple[float, float]:

@@ -304,8 +304,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     steps = step_times(pair, first, ["static"], widths=(1, 2, 3, 4, 5, 8, 16), repeats=args.repeats)
     print("c(k): a forward of k tokens in one-token forwards (a verify of k - 1 drafts), static cache\n")
     print(step_table(steps))
-    if pair.dtype == torch.bfloat16:
-        print(_bit_for_bit(pair) + "\n")
+    print(_bit_for_bit(pair) + "\n")
     from . import costs as machine_costs
 
     for sampled, taus in PRESETS[args.preset].first_run_tables():
@@ -324,16 +323,19 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def _bit_for_bit(pair) -> str:
-    """Whether bf16 greedy speculation decodes plain decoding's tokens bit for bit on this machine (check.row_alone,
+    """Whether greedy speculation decodes plain decoding's tokens bit for bit on this machine (check.row_alone,
     over the row counts the forwards above took), and if not, which products mix kernels across row counts."""
+    import torch
+
     from ..models import kernels
     from ..models.leanllama import LeanLlama
     from .check import Case, one_family, row_alone
 
     if row_alone(pair, Case("lookup", 2, 1, 0, "static", False, 0.0)):
         return ("bit for bit: yes. Every product of the target takes one family of specviz's row-invariant kernels at "
-                "every row count, and attention runs in specviz's C kernel: a verify's rows carry the one-token "
-                "steps' bits, so greedy speculation decodes plain decoding's tokens exactly (the static cache)")
+                "every row count, and attention runs in specviz's C kernel (in float32 within the layers' one C "
+                "call): a verify's rows carry the one-token steps' bits, so greedy speculation decodes plain "
+                "decoding's tokens exactly (the static cache)")
     mixed = {}  # shape -> its paths by row count, where they are not one row-invariant family
     for lin in LeanLlama.of(pair.target).linears():
         if not one_family(lin):
@@ -342,6 +344,10 @@ def _bit_for_bit(pair) -> str:
                 by_path.setdefault(name, []).append(str(rows))
             mixed[kernels.shape_key(lin.weight)] = ", ".join(f"{name} at {'/'.join(r)} rows" for name, r in
                                                               by_path.items())
+    if not mixed and pair.dtype == torch.float32:
+        mixed = {kernels.shape_key(lin.weight): f"{name} at {rows} rows (outside the layers' one C call)"
+                 for lin in LeanLlama.of(pair.target).linears() for rows, name in sorted(lin.paths.items())
+                 if not kernels.PATHS[name].layers}
     why = "; ".join(f"{shape} takes {paths}" for shape, paths in mixed.items())
     return ("bit for bit: no. A verify's rows may round otherwise than the one-token steps, so greedy speculative "
             "text can part from plain decoding's at near ties: " + (why or "attention does not run in specviz's C "
