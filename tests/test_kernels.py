@@ -708,7 +708,8 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
         for name in runs:
             monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, name=name: name)
             for lin in lean.linears():
-                lin.paths.clear(), lin.products.clear()
+                lin.paths.clear()
+                lin.products.clear()
             lean.native_plans.clear()
             results[name] = fused = run(True, prompts, 3)
             assert 2 * 3 in lean.native_plans and all(lean.native_plans.values())
@@ -719,7 +720,8 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
             alone = run(True, prompts[1:], 1)  # the second row alone (its prompt unpadded)
             for a, b in zip(fused[:-1], alone[:-1], strict=True):
                 assert torch.equal(a[1:], b)
-    assert all(torch.equal(a, b) for a, b in zip(*results.values(), strict=True))
+    if len(results) == 2:  # where AVX-512 runs: both kernels, the same bits
+        assert all(torch.equal(a, b) for a, b in zip(*results.values(), strict=True))
     monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
     lean.native_plans.clear()
     monkeypatch.setitem(lean.layers[0].qkv.paths, 2, "linear")
