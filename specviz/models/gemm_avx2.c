@@ -615,6 +615,40 @@ static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int6
     }
 }
 
+/* A layer's steps between its products in the model's dtype (f32, else bfloat16): the functions above. */
+static void norm(const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps, int64_t f32)
+{
+    if (f32)
+        rms_f32(x, w, y, rows, n, eps);
+    else
+        specviz_rms_bf16(x, w, y, (int)rows, (int)n, eps);
+}
+
+static void attend_any(const void *q, const void *k, const void *v, const uint8_t *mask, void *out,
+                       const int64_t *dims, const int64_t *strides, float scale, int64_t f32)
+{
+    if (f32)
+        attend_f32(q, k, v, mask, out, dims, strides, scale);
+    else
+        specviz_attend_bf16(q, k, v, mask, out, dims, strides, scale);
+}
+
+static void add(void *x, const void *y, int64_t n, int64_t f32)
+{
+    if (f32)
+        add_f32(x, y, n);
+    else
+        add_bf16(x, y, n);
+}
+
+static void silu_mul(const void *gate_up, const uint16_t *silu, void *act, int64_t rows, int64_t I, int64_t f32)
+{
+    if (f32)
+        silu_mul_f32(gate_up, act, rows, I);
+    else
+        specviz_silu_mul_bf16(gate_up, silu, act, rows, I);
+}
+
 /* A product of specviz_layers: y [m, n] = x [m, k] w^T + b, through the packed weight w, in the model's dtype
    (specviz_gemm and the others above: the caller took each from the path this machine chose for it). */
 typedef void (*product_fn)(const void *x, const void *w, const float *b, void *y, int m, int n, int k);
@@ -647,31 +681,17 @@ void specviz_layers(void *x, const int64_t *dims, void *const *weights, void *co
         void *const *w = weights + 14 * l, *k_cache = caches[2 * l], *v_cache = caches[2 * l + 1];
 #define PRODUCT(p, in, out, n, k) ((product_fn)w[2 + 3 * (p)])(in, w[3 + 3 * (p)], w[4 + 3 * (p)], out, (int)rows, \
                                                                 (int)(n), (int)(k))
-        if (f32) {
-            rms_f32(x, w[0], (float *)h, rows, C, eps);
-            PRODUCT(0, h, qkv, width, C);
-            rope_store(qkv, cos, sin, slots, q, k_cache, v_cache, rope_dims, 1);
-            attend_f32((float *)q, k_cache, v_cache, mask, (float *)att, attend_dims, strides, scale);
-            PRODUCT(1, att, y, C, H * D);
-            add_f32(x, (float *)y, rows * C);
-            rms_f32(x, w[1], (float *)h, rows, C, eps);
-            PRODUCT(2, h, gu, 2 * I, C);
-            silu_mul_f32((float *)gu, (float *)act, rows, I);
-            PRODUCT(3, act, y, C, I);
-            add_f32(x, (float *)y, rows * C);
-        } else {
-            specviz_rms_bf16(x, w[0], (uint16_t *)h, (int)rows, (int)C, eps);
-            PRODUCT(0, h, qkv, width, C);
-            rope_store(qkv, cos, sin, slots, q, k_cache, v_cache, rope_dims, 0);
-            specviz_attend_bf16((uint16_t *)q, k_cache, v_cache, mask, (uint16_t *)att, attend_dims, strides, scale);
-            PRODUCT(1, att, y, C, H * D);
-            add_bf16(x, (uint16_t *)y, rows * C);
-            specviz_rms_bf16(x, w[1], (uint16_t *)h, (int)rows, (int)C, eps);
-            PRODUCT(2, h, gu, 2 * I, C);
-            specviz_silu_mul_bf16((uint16_t *)gu, silu, (uint16_t *)act, rows, I);
-            PRODUCT(3, act, y, C, I);
-            add_bf16(x, (uint16_t *)y, rows * C);
-        }
+        norm(x, w[0], h, rows, C, eps, f32);
+        PRODUCT(0, h, qkv, width, C);
+        rope_store(qkv, cos, sin, slots, q, k_cache, v_cache, rope_dims, (int)f32);
+        attend_any(q, k_cache, v_cache, mask, att, attend_dims, strides, scale, f32);
+        PRODUCT(1, att, y, C, H * D);
+        add(x, y, rows * C, f32);
+        norm(x, w[1], h, rows, C, eps, f32);
+        PRODUCT(2, h, gu, 2 * I, C);
+        silu_mul(gu, silu, act, rows, I, f32);
+        PRODUCT(3, act, y, C, I);
+        add(x, y, rows * C, f32);
 #undef PRODUCT
     }
 }

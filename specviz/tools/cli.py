@@ -325,8 +325,6 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 def _bit_for_bit(pair) -> str:
     """Whether greedy speculation decodes plain decoding's tokens bit for bit on this machine (check.row_alone,
     over the row counts the forwards above took), and if not, which products mix kernels across row counts."""
-    import torch
-
     from ..models import kernels
     from ..models.leanllama import LeanLlama
     from .check import Case, one_family, row_alone
@@ -344,10 +342,6 @@ def _bit_for_bit(pair) -> str:
                 by_path.setdefault(name, []).append(str(rows))
             mixed[kernels.shape_key(lin.weight)] = ", ".join(f"{name} at {'/'.join(r)} rows" for name, r in
                                                               by_path.items())
-    if not mixed and pair.dtype == torch.float32:
-        mixed = {kernels.shape_key(lin.weight): f"{name} at {rows} rows (outside the layers' one C call)"
-                 for lin in LeanLlama.of(pair.target).linears() for rows, name in sorted(lin.paths.items())
-                 if not kernels.PATHS[name].layers}
     why = "; ".join(f"{shape} takes {paths}" for shape, paths in mixed.items())
     return ("bit for bit: no. A verify's rows may round otherwise than the one-token steps, so greedy speculative "
             "text can part from plain decoding's at near ties: " + (why or "attention does not run in specviz's C "
