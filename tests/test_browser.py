@@ -316,6 +316,19 @@ STOP_TIMER = """() => {
 }"""
 
 
+def queue_state() -> str:
+    """Gradio's queue as the server in this process holds it: running and waiting events, their outcomes."""
+    import app
+
+    queue = app.demo._queue
+    lines = [f"active jobs: {[[e.fn.name for e in job] if job else None for job in queue.active_jobs]}"]
+    lines += [f"concurrency {cid!r}: {len(q.queue)} waiting, {q.current_concurrency} of {q.concurrency_limit} running"
+              for cid, q in queue.event_queue_per_concurrency_id.items()]
+    lines.append(f"pending event ids by session: {queue.pending_event_ids_session}")
+    lines += [f"event {a['function']}: {a['status']}" for a in list(queue.event_analytics.values())[-8:]]
+    return "\n".join(lines)
+
+
 def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
     """At 1400x1000 after a run: the speculative stream and the speedup without scrolling. Stop during
     Sample N: no more of its updates, and the next run gets the device at once."""
@@ -325,6 +338,10 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        sent = []  # the page's queue requests and console lines, for a failure's report
+        page.on("request", lambda r: sent.append(f"{r.method} {r.url}") if "/queue/" in r.url or "/cancel" in r.url
+                else None)
+        page.on("console", lambda m: sent.append(f"console {m.type}: {m.text}"))
         page.goto(app_url, wait_until="domcontentloaded")
         page.locator("#run-btn").wait_for(timeout=60_000)
         set_number(page, "max new tokens", "24")
@@ -364,12 +381,13 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         page.locator("#run-btn").click()  # the device is free: the run starts, and ends
         try:
             page.wait_for_function("!/Speedup/.test(document.querySelector('#status').innerText)", timeout=120_000)
-        except Exception as err:  # where the server's threads are (it runs in this process), for the next reader
+        except Exception as err:  # the server's threads and queue (it runs in this process), for the next reader
             stacks = "\n".join(f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
                                for ident, frame in sys._current_frames().items())
             raise AssertionError(f"the run did not start within 120 s of Stop; status: "
                                  f"{page.locator('#status').inner_text()!r}; lossless: "
-                                 f"{page.locator('#lossless-status').inner_text()!r}\n{stacks}") from err
+                                 f"{page.locator('#lossless-status').inner_text()!r}\nthe page's requests:\n"
+                                 + "\n".join(sent) + f"\n{queue_state()}\n{stacks}") from err
         begun = page.evaluate("performance.now()")
         page.locator("#status :text('Speedup')").wait_for(timeout=300_000)
         print(f"\nStop during Sample N: {settled} update(s) after Stop, the first {late} ms after it; the next "
