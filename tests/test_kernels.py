@@ -4,6 +4,7 @@ every CPU-dependent path forced on this CPU (instruction-set caps, packing made 
 import copy
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -587,6 +588,30 @@ def test_silu_times_up_in_one_call_is_atens(monkeypatch):
     torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=0, atol=0, equal_nan=True)
     with pytest.raises(TypeError):
         native.silu_mul_bf16(up.float())
+
+
+def test_the_c_argmax_is_torchs():
+    """native.argmax (a greedy round's argmax over the vocabulary): torch.argmax's index for rows of every length
+    around the 8 lanes, with ties (the first), all -inf, signed zeros, +inf, and NaN (the first NaN); other dtypes
+    and layouts go to torch."""
+    from specviz.models import native
+
+    if not native.runs_here():
+        pytest.skip("specviz's C functions do not run here")
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 17, 49152 + 5):
+        x = torch.randn(3, n, generator=gen)
+        def filled(base, columns, value):
+            return base.index_fill(1, torch.tensor(columns), value)
+
+        cases = [x, (x * 2).round(), torch.full((3, n), -math.inf), filled(torch.zeros(3, n), [*range(0, n, 2)], -0.0),
+                 filled(x, [n - 1], math.inf), filled(x, [n // 2, n - 1], math.nan),
+                 filled(x, [n - 1, max(n - 2, 0)], 9.0)]
+        for case in cases:
+            got = native.argmax(case)
+            assert got.dtype == torch.long and torch.equal(got, case.argmax(-1)), (n, case)
+    assert torch.equal(native.argmax(x[None]), x.argmax(-1)[None])  # [1, 3, n]: a verify's [B, width, V]
+    assert torch.equal(native.argmax(x.T), x.T.argmax(-1)) and torch.equal(native.argmax(x.double()), x.argmax(-1))
 
 
 def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch, tmp_path):

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from ..models import native
 from ..models.eagle import EagleHead, HeadCache
 from .kvcache import KVState, left_padded, on_device
 from .sampling import SamplingParams, at_least_float32, chain_parents, draw_children, logits_to_probs, sample
@@ -141,9 +142,10 @@ class DraftModelDrafter:
         qs, logit_rows = [], []
         for step in range(steps):
             logits = state.forward(ids, real, last_only=True).logits[:, -1]  # [B, V]
-            q = logits_to_probs(logits, params)  # [B, V]
+            best = native.argmax(logits) if params.greedy else None  # [B]
+            q = logits_to_probs(logits, params, best)  # [B, V]
             if params.greedy:
-                tokens[:, step] = q.argmax(-1)
+                tokens[:, step] = best
             else:
                 for row, gamma in enumerate(gammas):
                     if step < gamma:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 
+from ..models import native
 from ..models.loading import ModelPair, encode_prompt
 from .drafters import (
     Drafter,
@@ -498,7 +499,7 @@ def decode(
         tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
         base = target.width
         verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
-        best = verify.logits.argmax(-1) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the test
+        best = native.argmax(verify.logits) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the test
         p_all = logits_to_probs(verify.logits, params, best)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
         ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
         bests = [None if best is None else best[i, : g + 1] for i, g in enumerate(drafted)]

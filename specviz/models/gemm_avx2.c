@@ -390,8 +390,27 @@ INLINE __m256 load_at(const void *p, int64_t at, int64_t count, int f32)
     return _mm256_loadu_ps(part);
 }
 
-/* One work item: rep query heads of key head g at query i of batch row b, over a head dimension of D (a
-   constant where it is inlined, so the accumulators stay in registers; the last chunk of 8 zero-padded).
+/* sum8 of each of eight vectors, as one vector (lane j: sum8(v[j])), in sum8's order lane by lane: each
+   vector's halves added, then its lanes 0 + 2 and 1 + 3, then those two; the same bits, a quarter of the
+   shuffles. */
+INLINE __m256 sum8_of_8(const __m256 *v)
+{
+    __m256 s[4];
+    for (int j = 0; j < 4; j++) /* [v_j's lanes 0-3 + 4-7 | v_(j+4)'s]: halves added */
+        s[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[j], v[j + 4], 0x20),
+                             _mm256_permute2f128_ps(v[j], v[j + 4], 0x31));
+    __m256 t0 = _mm256_unpacklo_ps(s[0], s[1]), t1 = _mm256_unpackhi_ps(s[0], s[1]);
+    __m256 t2 = _mm256_unpacklo_ps(s[2], s[3]), t3 = _mm256_unpackhi_ps(s[2], s[3]);
+    __m256 l0 = _mm256_shuffle_ps(t0, t2, 0x44), l1 = _mm256_shuffle_ps(t0, t2, 0xEE); /* lane 0, lane 1 of each */
+    __m256 l2 = _mm256_shuffle_ps(t1, t3, 0x44), l3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    return _mm256_add_ps(_mm256_add_ps(l0, l2), _mm256_add_ps(l1, l3));
+}
+
+/* One work item: rep query heads of key head g at query i of batch row b, over a head dimension of D (rep and D
+   constants where it is inlined, so the accumulators stay in registers; the last chunk of 8 zero-padded). Each
+   key and value is read and widened once for the rep heads that share it, and a score's sum of 8 lanes is taken
+   eight keys at a time (sum8_of_8): per score and per output the same operations in the same order as one head
+   at a time, so the same bits.
    q, k, v, out: the tensors, the item's first element of each at qo, ko, vo, oo (float32, f32, or bfloat16
    numbers; the arithmetic is float32 either way, a bfloat16 output rounded once at the end).
    seen: scratch for L slot numbers; e: for rep rows of L + 8 scores. */
@@ -410,17 +429,29 @@ INLINE void attend_item(const void *q, int64_t qo, const void *k, int64_t ko, co
     for (int64_t r = 0; r < rep; r++)
         for (int64_t c = 0; c < chunks; c++)
             _mm256_store_ps(qf + r * Dp + 8 * c, load_at(q, qo + r * sq1 + 8 * c, D - 8 * c, f32));
-    /* scores: e[r][m] = (q_r . k_seen[m]) * scale */
-    for (int m = 0; m < n; m++) {
-        const int64_t kr = ko + (int64_t)seen[m] * sk[2];
-        for (int64_t r = 0; r < rep; r++) {
-            __m256 acc = _mm256_setzero_ps();
+    /* scores: e[r][m] = (q_r . k_seen[m]) * scale, eight keys at a time */
+    __m256 hold[MAX_REP][8], kc[MAX_DIM / 8];
+    for (int m0 = 0; m0 < n; m0 += 8) {
+        for (int j = 0; j < 8; j++) {
+            if (m0 + j >= n) { /* past the last key: sums of nothing, overwritten below */
+                for (int64_t r = 0; r < rep; r++)
+                    hold[r][j] = _mm256_setzero_ps();
+                continue;
+            }
+            const int64_t kr = ko + (int64_t)seen[m0 + j] * sk[2];
             for (int64_t c = 0; c < chunks; c++)
-                acc = _mm256_fmadd_ps(_mm256_load_ps(qf + r * Dp + 8 * c), load_at(k, kr + 8 * c, D - 8 * c, f32),
-                                      acc);
-            e[r * (L + 8) + m] = sum8(acc) * scale;
+                kc[c] = load_at(k, kr + 8 * c, D - 8 * c, f32);
+            for (int64_t r = 0; r < rep; r++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++)
+                    acc = _mm256_fmadd_ps(_mm256_load_ps(qf + r * Dp + 8 * c), kc[c], acc);
+                hold[r][j] = acc;
+            }
         }
+        for (int64_t r = 0; r < rep; r++)
+            _mm256_storeu_ps(e + r * (L + 8) + m0, _mm256_mul_ps(sum8_of_8(hold[r]), _mm256_set1_ps(scale)));
     }
+    float inv[MAX_REP];
     for (int64_t r = 0; r < rep; r++) {
         float *er = e + r * (L + 8), top = -INFINITY;
         for (int m = 0; m < n; m++)
@@ -436,26 +467,33 @@ INLINE void attend_item(const void *q, int64_t qo, const void *k, int64_t ko, co
             _mm256_storeu_ps(er + m, x);
             sum = _mm256_add_ps(sum, x);
         }
-        /* out_r = sum_m e[r][m] v_seen[m] / sum, key after key */
-        __m256 acc[MAX_DIM / 8];
-        for (int64_t c = 0; c < chunks; c++)
-            acc[c] = _mm256_setzero_ps();
+        inv[r] = n ? 1.0f / sum8(sum) : 0.0f;
+    }
+    /* out_r = sum_m e[r][m] v_seen[m] / sum, key after key, two chunks of 8 at a time for all rep heads */
+    for (int64_t c0 = 0; c0 < chunks; c0 += 2) {
+        const int64_t cn = chunks - c0 < 2 ? chunks - c0 : 2;
+        __m256 acc[MAX_REP][2];
+        for (int64_t r = 0; r < rep; r++)
+            acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int m = 0; m < n; m++) {
-            const int64_t vr = vo + (int64_t)seen[m] * sv[2];
-            __m256 p = _mm256_set1_ps(er[m]);
-            for (int64_t c = 0; c < chunks; c++)
-                acc[c] = _mm256_fmadd_ps(p, load_at(v, vr + 8 * c, D - 8 * c, f32), acc[c]);
+            const int64_t vr = vo + (int64_t)seen[m] * sv[2] + 8 * c0;
+            __m256 v0 = load_at(v, vr, D - 8 * c0, f32), v1 = cn > 1 ? load_at(v, vr + 8, D - 8 * c0 - 8, f32) : v0;
+            for (int64_t r = 0; r < rep; r++) {
+                __m256 p = _mm256_set1_ps(e[r * (L + 8) + m]);
+                acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+            }
         }
-        __m256 inv = _mm256_set1_ps(n ? 1.0f / sum8(sum) : 0.0f);
-        const int64_t o = oo + r * so1;
-        float tmp[8];
-        for (int64_t c = 0; c < chunks; c++) {
-            _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[c], inv));
-            for (int64_t d = 0; d < 8 && 8 * c + d < D; d++) {
+        for (int64_t r = 0; r < rep; r++) {
+            const int64_t o = oo + r * so1;
+            float tmp[16];
+            _mm256_storeu_ps(tmp, _mm256_mul_ps(acc[r][0], _mm256_set1_ps(inv[r])));
+            _mm256_storeu_ps(tmp + 8, _mm256_mul_ps(acc[r][1], _mm256_set1_ps(inv[r])));
+            for (int64_t d = 0; d < 8 * cn && 8 * c0 + d < D; d++) {
                 if (f32)
-                    ((float *)out)[o + 8 * c + d] = tmp[d];
+                    ((float *)out)[o + 8 * c0 + d] = tmp[d];
                 else
-                    ((uint16_t *)out)[o + 8 * c + d] = to_bf16(tmp[d]);
+                    ((uint16_t *)out)[o + 8 * c0 + d] = to_bf16(tmp[d]);
             }
         }
     }
@@ -480,7 +518,10 @@ INLINE void attend_all(const void *q, const void *k, const void *v, const uint8_
             const int64_t qo = b * sq[0] + g * rep * sq[1] + i * sq[2], ko = b * sk[0] + g * sk[1],
                           vo = b * sv[0] + g * sv[1], oo = b * so[0] + g * rep * so[1] + i * so[2];
             const uint8_t *row = mask + b * sm[0] + i * sm[1];
-            if (D == 64)
+            if (D == 64 && rep == 3) /* the offline target's 9 query heads on 3 key heads: both constants */
+                attend_item(q, qo, k, ko, v, vo, row, out, oo, L, 3, 64, sm[2], sk, sv, sq[1], so[1], scale, seen, e,
+                            f32);
+            else if (D == 64)
                 attend_item(q, qo, k, ko, v, vo, row, out, oo, L, rep, 64, sm[2], sk, sv, sq[1], so[1], scale, seen, e,
                             f32);
             else
@@ -693,5 +734,47 @@ void specviz_layers(void *x, const int64_t *dims, void *const *weights, void *co
         PRODUCT(3, act, y, C, I);
         add(x, y, rows * C, f32);
 #undef PRODUCT
+    }
+}
+
+/* out[r] = the index of row r's largest value, x [rows, n] float32: torch.argmax's answer (the first of equal
+   values; a NaN counts as larger than any number, the first NaN). One pass finds the largest value 8 lanes at a
+   time (and whether a NaN is there), a second the first index holding it: ATen's argmax keeps an index per
+   element and runs several times slower than a max over a vocabulary's logits. */
+void specviz_argmax_f32(const float *x, int64_t rows, int64_t n, int64_t *out)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(row + i);
+            best = _mm256_max_ps(best, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8], top = -INFINITY;
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        _mm256_storeu_ps(lanes, best);
+        for (int j = 0; j < 8; j++)
+            top = lanes[j] > top ? lanes[j] : top;
+        for (; i < n; i++) {
+            has_nan |= row[i] != row[i];
+            top = row[i] > top ? row[i] : top;
+        }
+        int64_t at = 0;
+        if (has_nan) {
+            while (row[at] == row[at])
+                at++;
+        } else {
+            __m256 t = _mm256_set1_ps(top);
+            for (i = 0; i + 8 <= n; i += 8) {
+                int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), t, _CMP_EQ_OQ));
+                if (hit)
+                    break;
+            }
+            for (at = i; at < n && row[at] != top; at++)
+                ;
+        }
+        out[r] = at;
     }
 }

@@ -105,12 +105,26 @@ def library() -> ctypes.CDLL:
     # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, scratch, eps, scale
     lib.specviz_layers.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
     lib.specviz_layers.restype = None
+    lib.specviz_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x rows n out
+    lib.specviz_argmax_f32.restype = None
     return lib
 
 
 def entry(name: str) -> int:
     """The address of the library's function `name` (a product's kernel, for a `layers` weight plan)."""
     return ctypes.cast(getattr(library(), name), ctypes.c_void_p).value
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1), the same indices (the first of equal values; a NaN counts as the largest): for float32 on
+    the CPU from the library's two passes over each row (ATen's argmax over a 49,152-token vocabulary costs
+    0.08 ms a row on CPU A, over ten times its max), anything else from torch."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or not x.shape[-1:] \
+            or not x.shape[-1] or not runs_here():
+        return x.argmax(-1)
+    out = torch.empty(x.shape[:-1], dtype=torch.long)
+    library().specviz_argmax_f32(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
+    return out
 
 
 @functools.cache
