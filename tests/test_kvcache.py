@@ -201,7 +201,8 @@ def test_the_c_attention_gives_a_query_the_same_bits_wherever_its_keys_lie(dim):
 
 
 @pytest.mark.parametrize("t", [3, 40])
-def test_the_rope_and_cache_call_gives_the_bits_of_rotate_and_index_copy(t):
+@pytest.mark.parametrize("D", [12, 64])  # 64: the offline target's head size
+def test_the_rope_and_cache_call_gives_the_bits_of_rotate_and_index_copy(t, D):
     """native.rope_store_bf16 (a bf16 layer's step after its projection, on a CPU): q rotated, k rotated and v
     written at the given slots, bitwise what leanllama.rotate and index_copy_ give (ATen's roundings: each
     product rounded to bfloat16, then the sum); other slots untouched; float32 refused. 80 rows: the rows
@@ -212,7 +213,7 @@ def test_the_rope_and_cache_call_gives_the_bits_of_rotate_and_index_copy(t):
     if not native.runs_here():
         pytest.skip("specviz's C functions do not run here")
     gen = torch.Generator().manual_seed(0)
-    B, H, KV, D, C = 2, 6, 2, 12, 50
+    B, H, KV, C = 2, 6, 2, 50
     qkv = torch.randn(B, t, H + 2 * KV, D, generator=gen).bfloat16()
     angle = torch.randn(B, t, D, generator=gen) * 3
     cos, sin = angle.cos().bfloat16()[:, :, None], angle.sin().bfloat16()[:, :, None]  # [B, t, 1, D], as a forward
