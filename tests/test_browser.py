@@ -320,12 +320,15 @@ def queue_state() -> str:
     """Gradio's queue as the server in this process holds it: running and waiting events, their outcomes."""
     import app
 
-    queue = app.demo._queue
-    lines = [f"active jobs: {[[e.fn.name for e in job] if job else None for job in queue.active_jobs]}"]
-    lines += [f"concurrency {cid!r}: {len(q.queue)} waiting, {q.current_concurrency} of {q.concurrency_limit} running"
-              for cid, q in queue.event_queue_per_concurrency_id.items()]
-    lines.append(f"pending event ids by session: {queue.pending_event_ids_session}")
-    lines += [f"event {a['function']}: {a['status']}" for a in list(queue.event_analytics.values())[-8:]]
+    try:  # Gradio's internals: a report must not fail on them
+        queue = app.demo._queue
+        lines = [f"active jobs: {[[e.fn.name for e in job] if job else None for job in queue.active_jobs]}"]
+        lines += [f"concurrency {cid!r}: {len(q.queue)} waiting, {q.current_concurrency} of {q.concurrency_limit} "
+                  f"running" for cid, q in queue.event_queue_per_concurrency_id.items()]
+        lines.append(f"pending event ids by session: {queue.pending_event_ids_session}")
+        lines += [f"event {a['function']}: {a['status']}" for a in list(queue.event_analytics.values())[-8:]]
+    except Exception as err:  # noqa: BLE001
+        return f"gradio's queue unreadable: {err!r}"
     return "\n".join(lines)
 
 
