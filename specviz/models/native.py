@@ -119,8 +119,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1), the same indices (the first of equal values; a NaN counts as the largest): for float32 on
     the CPU from the library's two passes over each row (ATen's argmax over a 49,152-token vocabulary costs
     0.08 ms a row on CPU A, over ten times its max), anything else from torch."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or not x.shape[-1:] \
-            or not x.shape[-1] or not runs_here():
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() == 0 \
+            or x.shape[-1] == 0 or not runs_here():
         return x.argmax(-1)
     out = torch.empty(x.shape[:-1], dtype=torch.long)
     library().specviz_argmax_f32(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
