@@ -174,3 +174,108 @@ def test_a_trees_drafting_is_its_median_round_so_one_slow_round_does_not_reorder
     draft, bookkeeping = costs._round_costs(None, "eagle", False, (3, 3, 5))
     assert (draft, bookkeeping) == (pytest.approx(2.5), pytest.approx(1.0))
     assert costs._round_costs(None, "eagle", False, (2, 1, 0))[0] == pytest.approx(47.0 / 8)
+
+
+def test_the_cpus_other_processes_take_are_read_from_proc_stat():
+    """/proc/stat's per-CPU lines (clock ticks: user nice system idle iowait irq softirq steal), the CPUs we
+    may run on only; and the part of what our threads need that others' load leaves short, in closed form."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = ("cpu  900 0 900 900 900 0 0 0 0 0\n"
+            "cpu0 100 1 10 500 7 2 3 4 0 0\n"
+            "cpu1 800 0 800 100 100 0 0 0 0 0\n"
+            "cpu2 5 0 5 300 800 0 0 0 0 0\n"
+            "intr 12345 0 0\nctxt 999\n")
+    assert costs.busy_seconds(stat, {0, 2}) == pytest.approx((100 + 1 + 10 + 2 + 3 + 4 + 5 + 5) / tick)
+    assert costs.busy_seconds(stat, {1}) == pytest.approx(1600 / tick)
+    assert costs.shortfall(1.0, cpus=2, threads=2) == pytest.approx(0.5)  # a hog on one of two CPUs: half
+    assert costs.shortfall(0.0, cpus=2, threads=2) == 0.0
+    assert costs.shortfall(32.0, cpus=64, threads=2) == 0.0  # a busy big host still leaves two CPUs free
+    assert costs.shortfall(3.5, cpus=4, threads=8) == pytest.approx(0.875)  # needs min(threads, cpus) = 4
+    assert costs.shortfall(9.0, cpus=4, threads=2) == 1.0
+
+
+def test_another_process_burning_every_cpu_is_seen():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    if not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) > 8:
+        pytest.skip("needs Linux's /proc/stat and at most 8 CPUs to fill")
+    burn = "import time\nend = time.time() + 2\nwhile time.time() < end: pass"
+    children = [subprocess.Popen([sys.executable, "-c", burn]) for _ in os.sched_getaffinity(0)]
+    try:
+        time.sleep(0.3)  # let them start
+        share = costs.others_meter()
+        time.sleep(1.0)
+        taken = share()
+    finally:
+        for child in children:
+            child.wait()
+    assert taken > costs.BUSY
+
+
+def scripted_shares(values):
+    """A stand-in for costs.others_meter whose meters report the given shares, one per meter."""
+    left = iter(values)
+
+    def others_meter():
+        value = next(left)
+        return lambda: value
+
+    return others_meter
+
+
+def test_a_forward_costs_the_fastest_of_its_repeats(pattern_pair, monkeypatch):
+    """Repeats slowed by another program (half of them, here) move neither a width's cost nor c(k): 1.1, where
+    the medians would give 19.5 / 14.5 = 1.34."""
+    warm = [50.0, 50.0]  # two repeats warm up
+    times = {1: iter(warm + [12.0, 10.0, 18.0, 17.0, 19.0, 10.4]), 2: iter(warm + [11.0, 20.0, 21.0, 11.2, 22.0, 19.0])}
+    monkeypatch.setattr(costs, "timed_forward", lambda state, ids: lambda k: next(times[k]))
+    assert costs.forward_ms(pattern_pair("llama"), [1, 2, 3], [1, 2], 6, False) == {1: 10.0, 2: 11.0}
+
+
+def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    pair, taus = pattern_pair("llama"), {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}
+    timings = []
+
+    def forwards(pair, ids, widths, repeats, compiled):
+        timings.append(len(timings))
+        return {k: 10.0 + len(timings) + k for k in widths}  # which attempt was kept: 11 + k, 12 + k, ...
+
+    monkeypatch.setattr(costs, "forward_ms", forwards)
+    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5))
+
+    # busy, then quiet: the forwards are timed twice and the quiet timing kept
+    said = []
+    monkeypatch.setattr(costs, "others_meter", scripted_shares([0.6, 0.05, 0.0]))
+    choice, quiet = costs.first_run(pair, taus, said.append)
+    assert len(timings) == 2 and quiet.forward_ms[1] == 13.0 and quiet.busy == 0.05 and not quiet.disturbed
+    assert any("other programs took 60% of the CPU time specviz needed" in m for m in said)
+    assert "Timed while" not in costs.describe(choice, quiet)
+
+    # busy at every attempt: the quietest of three kept, and the costs say so
+    file = next((tmp_path / "costs").glob("*.json"))
+    file.unlink()
+    costs._TIMED_HERE.clear()
+    timings.clear()
+    monkeypatch.setattr(costs, "others_meter", scripted_shares([0.6, 0.4, 0.7, 0.3]))
+    choice, busy = costs.first_run(pair, taus)
+    assert len(timings) == 3 and busy.forward_ms[1] == 13.0 and busy.busy == 0.4 and busy.disturbed
+    assert "Timed while other programs took 40% of the CPU time specviz needed" in costs.describe(choice, busy)
+
+    # read again in this process; timed again by the next one (quiet now), and then read
+    monkeypatch.setattr(costs, "others_meter", scripted_shares([]))
+    assert costs.first_run(pair, taus) == (choice, busy) and len(timings) == 3
+    costs._TIMED_HERE.clear()  # a new process
+    said.clear()
+    monkeypatch.setattr(costs, "others_meter", scripted_shares([0.0, 0.0]))
+    _, again = costs.first_run(pair, taus, said.append)
+    assert len(timings) == 4 and again.busy == 0.0
+    assert any("the stored costs were timed while other programs took 40%" in m for m in said)
+    costs._TIMED_HERE.clear()
+    monkeypatch.setattr(costs, "others_meter", scripted_shares([]))
+    assert costs.first_run(pair, taus)[1] == again and len(timings) == 4

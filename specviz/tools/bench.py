@@ -566,7 +566,9 @@ def speedup_chart(rows: list[BenchRow]):
     })
 
 
-def environment(pair: ModelPair) -> dict:
+def environment(pair: ModelPair, others: float | None = None) -> dict:
+    """The run's machine, versions and models; `others`: the part of the CPU time it needed that other
+    processes took (costs.others_meter)."""
     import platform
 
     import torch
@@ -581,6 +583,8 @@ def environment(pair: ModelPair) -> dict:
         env["cpu"] = kernels.describe_machine()
         chosen = kernels.summary(pair.dtype)
         env["kernels"], env["drafting_kernels"] = chosen["choice"], chosen["drafting"]
+    if others is not None:
+        env["taken by other processes"] = f"{others:.0%} of the CPU time specviz needed"
     return env
 
 

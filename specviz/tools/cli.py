@@ -455,6 +455,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tree_summary,
         write_results,
     )
+    from .costs import BUSY, others_meter
     from .prompts import BENCHMARK_PROMPTS
 
     prompts = BENCHMARK_PROMPTS
@@ -490,6 +491,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("no EAGLE head for this pair: the drafters that need one are skipped", file=sys.stderr)
         drafters = [d for d in drafters if d not in HEAD_DRAFTERS]
     command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
+    taken = others_meter()  # what other processes take of the CPU time the run needs, in its record
     steps = []
     if step_caches:
         first = encode_prompt(pair.tokenizer, next(iter(prompts.values()))[0])
@@ -502,7 +504,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
                       lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache, compile=args.compile,
                       eagle_gammas=eagle_gammas, seeds=args.seeds, trees=trees)
-    write_results(rows, environment(pair), args.out, command, steps=steps)  # kept even if the batch part fails
+    write_results(rows, environment(pair, taken()), args.out, command, steps=steps)  # kept if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...
         columns = [texts for texts in BENCHMARK_PROMPTS.values()]
@@ -511,7 +513,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             batch_rows.append(bench_batch(pair, batch_prompts, drafter, best_gamma(rows, drafter) or 2, max_new,
                                           repeats, args.cache, args.compile))
             print(f"batch of {batch}, {drafter}: {batch_rows[-1].ratio:.2f}x one after another", file=sys.stderr)
-    paths = write_results(rows, environment(pair), args.out, command, batch_rows, steps)
+    busy = taken()
+    paths = write_results(rows, environment(pair, busy), args.out, command, batch_rows, steps)
+    if busy is not None and busy > BUSY:
+        print(f"other programs took {busy:.0%} of the CPU time specviz needed during this run: its times are "
+              "slower than this machine's, and its ratios noisier", file=sys.stderr)
     print(summary_by_setting(rows))
     if trees:
         print(tree_summary(rows))

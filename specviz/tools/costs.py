@@ -20,6 +20,13 @@ decode per drafter for its draft time per token and its round overhead. The meas
 few seconds once per machine, pair, dtype and compile mode, and is kept in the specviz cache
 beside the kernel table (kernels.py). Where no candidate reaches S > 1, `note` says so in one
 sentence, so neither the app nor the CLI leaves the viewer to discover it.
+
+Timed while other programs use the CPU, forwards slow down unevenly (a one-token step measured at twice
+its idle time made c(5) = 0.93 in a stored file here). So a forward's cost is the fastest of its repeats
+(other work only ever slows one down); how much of the CPUs our threads need other processes took while
+timing is read from Linux's /proc/stat (`others_meter`); the forwards are timed again, up to ATTEMPTS
+times, while that exceeds BUSY; and costs still timed on a busy machine are said to be so (`describe`) and
+timed again at the next start.
 """
 
 from __future__ import annotations
@@ -46,7 +53,10 @@ from ..models.loading import ModelPair, encode_prompt
 MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4 (and at each tree's width)
 CALIBRATION_PROMPT = "The future of AI"
 CALIBRATION_TOKENS = 24
-ROUNDS = "a tree's drafting: its median round"  # how rounds are timed (part of the stored costs' key)
+REPEATS = 10  # each width's forwards timed, interleaved
+TIMING = "forwards: the fastest of their repeats; a tree's drafting: its median round"  # (in the stored costs' key)
+BUSY = 0.2  # the part of the CPUs our threads need that other processes took, above which a timing is disturbed
+ATTEMPTS = 3  # timings of the forwards on a busy machine, the quietest kept
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 
@@ -63,6 +73,11 @@ class Costs:
     draft_ms: dict[str, float] = field(default_factory=dict)  # drafter -> ms per drafted token
     overhead_ms: dict[str, float] = field(default_factory=dict)  # drafter ("" = plain decoding) -> ms per round
     tree_ms: dict[str, float] = field(default_factory=dict)  # tree_key -> drafting and bookkeeping ms per round
+    busy: float | None = None  # the most of the CPUs our threads needed that other processes took while timing
+
+    @property
+    def disturbed(self) -> bool:
+        return self.busy is not None and self.busy > BUSY
 
     def forward(self, k: int) -> float:
         """ms of a forward of k tokens: the narrowest measured width that holds k."""
@@ -139,6 +154,46 @@ def note(best: Choice | None, costs: Costs | None) -> str:
 # --- measuring -----------------------------------------------------------------------------------
 
 
+def busy_seconds(stat: str, cpus: set[int]) -> float:
+    """CPU-seconds the listed CPUs have spent on anything but idling and waiting for I/O, from the text of
+    /proc/stat (its `cpuN user nice system idle iowait irq softirq steal ...` lines, in clock ticks)."""
+    ticks = 0
+    for line in stat.splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            values = [int(v) for v in fields[:8]]
+            ticks += sum(values) - values[3] - values[4]  # all but idle and iowait (steal included: a VM's host)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def shortfall(others: float, cpus: int, threads: int) -> float:
+    """The part of the CPUs our `threads` need (0 to 1) that was not free while other processes kept `others`
+    CPUs busy on average, of the `cpus` we may run on."""
+    needed = max(min(threads, cpus), 1)
+    return min(max(needed - (cpus - others), 0.0) / needed, 1.0)
+
+
+def others_meter() -> Callable[[], float | None]:
+    """Start counting: the function returned gives the part of the CPU time our torch threads needed that other
+    processes took since (`shortfall`; their busy CPU-seconds are every CPU's busy time in /proc/stat less
+    ours), or None where /proc/stat is missing (not Linux)."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        with open("/proc/stat", encoding="ascii") as f:
+            start = busy_seconds(f.read(), cpus)
+    except (OSError, AttributeError, ValueError):
+        return lambda: None
+    ours, wall = time.process_time(), time.perf_counter()
+
+    def share() -> float | None:
+        with open("/proc/stat", encoding="ascii") as f:
+            others = busy_seconds(f.read(), cpus) - start - (time.process_time() - ours)
+        seconds = max(time.perf_counter() - wall, 1e-9)
+        return shortfall(max(others, 0.0) / seconds, len(cpus), torch.get_num_threads())
+
+    return share
+
+
 def timed_forward(state: KVState, prompt_ids: list[int]) -> Callable[[int], float]:
     """run(k) -> ms of one forward of k tokens over the cached prompt, rolled back afterwards (a
     verify whose drafts are all rejected), so every repeat runs at the same length."""
@@ -156,7 +211,8 @@ def timed_forward(state: KVState, prompt_ids: list[int]) -> Callable[[int], floa
 
 
 def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: int, compiled: bool) -> dict[int, float]:
-    """Median ms of the target's forward of k tokens (static cache), widths interleaved."""
+    """ms of the target's forward of k tokens (static cache), widths interleaved: the fastest of the repeats,
+    since other work on the machine only ever slows a forward down."""
     state = KVState(pair.target, 1, "static", pair.vocab_size, len(prompt_ids) + max(widths) + 1, compiled)
     times: dict[int, list[float]] = {k: [] for k in widths}
     with torch.inference_mode():
@@ -167,7 +223,27 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
                 elapsed = run(k)
                 if rep >= 2:
                     times[k].append(elapsed)
-    return {k: median(v) for k, v in times.items()}
+    return {k: min(v) for k, v in times.items()}
+
+
+def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool,
+                       progress: Progress | None) -> tuple[dict[int, float], float | None]:
+    """forward_ms over the calibration prompt, timed again (up to ATTEMPTS times) while other processes took
+    more than BUSY of the CPU time our threads needed; the quietest timing, with that part (None: unknown)."""
+    ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
+    best: tuple[dict[int, float], float | None] | None = None
+    for attempt in range(ATTEMPTS):
+        taken = others_meter()
+        ms = forward_ms(pair, ids, widths, REPEATS, compiled)
+        busy = taken()
+        if best is None or busy is None or busy < best[1]:
+            best = ms, busy
+        if busy is None or busy <= BUSY:
+            break
+        if progress and attempt + 1 < ATTEMPTS:
+            progress(f"other programs took {busy:.0%} of the CPU time specviz needed while the forwards were "
+                     "timed; timing them again...")
+    return best
 
 
 def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0),
@@ -196,7 +272,7 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
 
 def _file(pair: ModelPair, compiled: bool) -> Path:
     facts = json.dumps([kernels.machine(), kernels.registry(), str(pair.dtype), pair.target_name, pair.draft_name,
-                        pair.head_name, compiled, ROUNDS], sort_keys=True)
+                        pair.head_name, compiled, TIMING], sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
 
 
@@ -211,13 +287,22 @@ def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = No
     drafters = [d for d in drafters if d not in HEAD_DRAFTERS or pair.head is not None]
     trees = [t for t in trees if t[0] in drafters]
     file = _file(pair, compiled)
-    if not retune and _covers(costs := _stored(file), drafters, trees):
+    if not retune and _serves(costs := _stored(file), drafters, trees, file):
         return costs
     with locked(file, progress):  # another process may be measuring the same: it stores, we read
         known = None if retune else _stored(file)
-        if _covers(known, drafters, trees):
+        if _serves(known, drafters, trees, file):
             return known
+        if known is not None and known.disturbed and file not in _TIMED_HERE:
+            if progress:
+                progress(f"the stored costs were timed while other programs took {known.busy:.0%} of the CPU time "
+                         "specviz needed; timing them again...")
+            known = None
+        _TIMED_HERE.add(file)
         return _measure(pair, drafters, trees, compiled, file, progress, known)
+
+
+_TIMED_HERE: set[Path] = set()  # costs files this process has timed (a disturbed one is timed again once a start)
 
 
 def _stored(file: Path) -> Costs | None:
@@ -232,9 +317,12 @@ def _stored(file: Path) -> Costs | None:
         return None
 
 
-def _covers(costs: Costs | None, drafters: list[str], trees: list[TreeRound]) -> bool:
+def _serves(costs: Costs | None, drafters: list[str], trees: list[TreeRound], file: Path) -> bool:
+    """Whether stored costs do: they hold every drafter and tree asked for, and were timed on a quiet machine
+    (or by this process already)."""
     return costs is not None and all(d in costs.draft_ms for d in drafters) and all(
-        tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees)
+        tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees) and (
+        not costs.disturbed or file in _TIMED_HERE)
 
 
 def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compiled: bool, file: Path,
@@ -247,15 +335,22 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
     widths = {*range(1, MAX_WIDTH + 1), *(width(t[1]) for t in trees)}
     costs = known or Costs(kernels.describe_machine() if pair.device.type == "cpu" else str(pair.device),
                            str(pair.dtype).removeprefix("torch."), compiled, {})
+    shares = [costs.busy]  # how much of what our threads needed other processes took, part by part
     if not widths <= set(costs.forward_ms):  # all widths timed together: c(k) compares forwards of one run
-        ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
-        costs.forward_ms = forward_ms(pair, ids, sorted(widths | set(costs.forward_ms)), 8, compiled)
-    for d in [d for d in ["", *drafters] if d not in costs.overhead_ms]:
-        costs.draft_ms[d], costs.overhead_ms[d] = _round_costs(pair, d, compiled)
-    costs.draft_ms.pop("", None)
-    for d, shape, sampled in trees:
-        if tree_key(d, shape, sampled) not in costs.tree_ms:
+        costs.forward_ms, busy = _quietest_forwards(pair, sorted(widths | set(costs.forward_ms)), compiled, progress)
+        shares.append(busy)
+    rounds = [(d, (2, 1, 0), False) for d in ["", *drafters] if d not in costs.overhead_ms]
+    rounds += [t for t in trees if tree_key(*t) not in costs.tree_ms]
+    taken = others_meter()
+    for d, shape, sampled in rounds:
+        if shape[1] == 1:
+            costs.draft_ms[d], costs.overhead_ms[d] = _round_costs(pair, d, compiled)
+        else:
             costs.tree_ms[tree_key(d, shape, sampled)] = sum(_round_costs(pair, d, compiled, shape, sampled))
+    shares.append(taken() if rounds else None)
+    costs.draft_ms.pop("", None)
+    known_shares = [b for b in shares if b is not None]
+    costs.busy = max(known_shares) if known_shares else None
     file.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -263,7 +358,9 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
     os.replace(tmp, file)
     if progress:
         progress(f"measured in {time.perf_counter() - started:.1f} s: c(3) = {costs.c(3):.2f}, "
-                 f"one step {costs.forward_ms[1]:.1f} ms")
+                 f"one step {costs.forward_ms[1]:.1f} ms" + (
+                     f"; other programs took {costs.busy:.0%} of the CPU time specviz needed, so the next start "
+                     "times it again" if costs.disturbed else ""))
     return costs
 
 
@@ -283,7 +380,9 @@ def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], 
 def describe(choice: Choice, costs: Costs) -> str:
     """One line: the chosen drafter and γ, and why (for the CLI and the app's note)."""
     k = width(choice.shape)
-    return note(choice, costs) or (
+    busy = (f" Timed while other programs took {costs.busy:.0%} of the CPU time specviz needed: the next start "
+            f"times it again." if costs.disturbed else "")
+    return (note(choice, costs) or (
         f"chosen for this machine: {choice.text}, expected {choice.expected:.2f}x over "
         f"plain decoding (a verify of {k} tokens costs {costs.c(k):.2f} one-token steps of "
-        f"{costs.forward_ms[1]:.1f} ms here).")
+        f"{costs.forward_ms[1]:.1f} ms here).")) + busy
