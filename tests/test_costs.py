@@ -2,8 +2,9 @@
 the note where nothing wins, and the measurement kept in the cache."""
 
 import pytest
-from conftest import while_another_process_makes
+from conftest import scripted_meters, while_another_process_makes
 
+from specviz.models import contention
 from specviz.tools import costs
 from specviz.tools.costs import Choice, Costs, describe, expected_speedup, note, rank
 
@@ -187,16 +188,16 @@ def test_the_cpus_other_processes_take_are_read_from_proc_stat():
             "cpu1 800 0 800 100 100 0 0 0 0 0\n"
             "cpu2 5 0 5 300 800 0 0 0 0 0\n"
             "intr 12345 0 0\nctxt 999\n")
-    assert costs.busy_seconds(stat, {0, 2}) == pytest.approx((100 + 1 + 10 + 2 + 3 + 4 + 5 + 5) / tick)
-    assert costs.busy_seconds(stat, {1}) == pytest.approx(1600 / tick)
-    assert costs.shortfall(1.0, cpus=2, threads=2) == pytest.approx(0.5)  # a hog on one of two CPUs: half
-    assert costs.shortfall(0.0, cpus=2, threads=2) == 0.0
-    assert costs.shortfall(32.0, cpus=64, threads=2) == 0.0  # a busy big host still leaves two CPUs free
-    assert costs.shortfall(3.5, cpus=4, threads=8) == pytest.approx(0.875)  # needs min(threads, cpus) = 4
-    assert costs.shortfall(9.0, cpus=4, threads=2) == 1.0
+    assert contention.busy_seconds(stat, {0, 2}) == pytest.approx((100 + 1 + 10 + 2 + 3 + 4 + 5 + 5) / tick)
+    assert contention.busy_seconds(stat, {1}) == pytest.approx(1600 / tick)
+    assert contention.shortfall(1.0, cpus=2, threads=2) == pytest.approx(0.5)  # a hog on one of two CPUs: half
+    assert contention.shortfall(0.0, cpus=2, threads=2) == 0.0
+    assert contention.shortfall(32.0, cpus=64, threads=2) == 0.0  # a busy big host still leaves two CPUs free
+    assert contention.shortfall(3.5, cpus=4, threads=8) == pytest.approx(0.875)  # needs min(threads, cpus) = 4
+    assert contention.shortfall(9.0, cpus=4, threads=2) == 1.0
 
 
-def test_another_process_burning_every_cpu_is_seen():
+def test_another_process_burning_every_cpu_is_seen(monkeypatch):
     import os
     import subprocess
     import sys
@@ -204,28 +205,20 @@ def test_another_process_burning_every_cpu_is_seen():
 
     if not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) > 8:
         pytest.skip("needs Linux's /proc/stat and at most 8 CPUs to fill")
+    monkeypatch.delenv("SPECVIZ_IGNORE_LOAD", raising=False)  # the suite keeps timings as they come (conftest)
     burn = "import time\nend = time.time() + 2\nwhile time.time() < end: pass"
     children = [subprocess.Popen([sys.executable, "-c", burn]) for _ in os.sched_getaffinity(0)]
     try:
         time.sleep(0.3)  # let them start
-        share = costs.others_meter()
+        share = contention.others_meter()
         time.sleep(1.0)
         taken = share()
     finally:
         for child in children:
             child.wait()
-    assert taken > costs.BUSY
-
-
-def scripted_shares(values):
-    """A stand-in for costs.others_meter whose meters report the given shares, one per meter."""
-    left = iter(values)
-
-    def others_meter():
-        value = next(left)
-        return lambda: value
-
-    return others_meter
+    assert taken > contention.BUSY
+    monkeypatch.setenv("SPECVIZ_IGNORE_LOAD", "1")
+    assert contention.others_meter()() is None  # told to keep timings as they come
 
 
 def test_a_forward_costs_the_fastest_of_its_repeats(pattern_pair, monkeypatch):
@@ -251,7 +244,7 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
 
     # busy, then quiet: the forwards are timed twice and the quiet timing kept
     said = []
-    monkeypatch.setattr(costs, "others_meter", scripted_shares([0.6, 0.05, 0.0]))
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([0.6, 0.05, 0.0]))
     choice, quiet = costs.first_run(pair, taus, said.append)
     assert len(timings) == 2 and quiet.forward_ms[1] == 13.0 and quiet.busy == 0.05 and not quiet.disturbed
     assert any("other programs took 60% of the CPU time specviz needed" in m for m in said)
@@ -262,20 +255,20 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
     file.unlink()
     costs._TIMED_HERE.clear()
     timings.clear()
-    monkeypatch.setattr(costs, "others_meter", scripted_shares([0.6, 0.4, 0.7, 0.3]))
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([0.6, 0.4, 0.7, 0.3]))
     choice, busy = costs.first_run(pair, taus)
     assert len(timings) == 3 and busy.forward_ms[1] == 13.0 and busy.busy == 0.4 and busy.disturbed
     assert "Timed while other programs took 40% of the CPU time specviz needed" in costs.describe(choice, busy)
 
     # read again in this process; timed again by the next one (quiet now), and then read
-    monkeypatch.setattr(costs, "others_meter", scripted_shares([]))
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
     assert costs.first_run(pair, taus) == (choice, busy) and len(timings) == 3
     costs._TIMED_HERE.clear()  # a new process
     said.clear()
-    monkeypatch.setattr(costs, "others_meter", scripted_shares([0.0, 0.0]))
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([0.0, 0.0]))
     _, again = costs.first_run(pair, taus, said.append)
     assert len(timings) == 4 and again.busy == 0.0
     assert any("the stored costs were timed while other programs took 40%" in m for m in said)
     costs._TIMED_HERE.clear()
-    monkeypatch.setattr(costs, "others_meter", scripted_shares([]))
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
     assert costs.first_run(pair, taus)[1] == again and len(timings) == 4

@@ -10,7 +10,8 @@ caches evicted before each sweep so the weights come from memory, as they do in 
 The fastest path per (shape, rows) goes into a table in the specviz cache folder, keyed by the
 machine (CPU model, instruction sets, capped ones too, threads, torch version) and dtype; a later
 start reads it. A path the CPU cannot run, or that gives wrong numbers, is skipped and the reason
-kept.
+kept. A shape timed while other programs took much of the CPU time (contention.py) is timed again,
+and one still timed busy is marked in the table and timed again by the next start.
 
 A path is one registry line in PATHS: how to pack a weight (once, or once per row count) and how
 to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for its rows.
@@ -44,7 +45,7 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import contention, native
 from .cachedir import cache_root, locked
 
 ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wider verifies and drafts
@@ -270,6 +271,12 @@ class KernelTable:
     times: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # shape -> rows -> path -> ms
     skipped: dict[str, str] = field(default_factory=dict)  # path -> why this CPU cannot use it
     file: str = ""
+    busy: dict[str, float] = field(default_factory=dict)  # shape -> what other processes took while it was timed
+
+    def settled(self, shape: str) -> bool:
+        """Whether the shape's timings stand: made, and on a quiet machine (contention.py) or by this process."""
+        return shape in self.times and (self.busy.get(shape, 0.0) <= contention.BUSY
+                                        or (self.file, shape) in _TIMED_HERE)
 
     def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False) -> str:
         """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
@@ -297,12 +304,13 @@ class KernelTable:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"machine": self.machine, "dtype": self.dtype, "times": self.times, "skipped": self.skipped},
-                      f, indent=1)
+            json.dump({"machine": self.machine, "dtype": self.dtype, "times": self.times, "skipped": self.skipped,
+                       "busy": self.busy}, f, indent=1)
         os.replace(tmp, path)
 
 
 _TABLES: dict[str, KernelTable] = {}
+_TIMED_HERE: set[tuple[str, str]] = set()  # (table file, shape) this process has timed: a busy one once a start
 
 
 def forget() -> None:
@@ -320,7 +328,7 @@ def _stored(m: dict, file: Path) -> KernelTable | None:
         return None
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        return KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file))
+        return KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file), data.get("busy", {}))
     except (ValueError, KeyError, OSError) as err:
         log.warning("specviz: ignoring an unreadable kernel table %s (%s); measuring again", file, err)
         return None
@@ -427,25 +435,41 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
             by_dtype.setdefault(w.dtype, {}).setdefault(shape_key(w), []).append(w)
     say = progress or log.info
     for dtype, shapes in by_dtype.items():
-        if not retune and all(s in table(dtype).times for s in shapes):
+        if not retune and all(table(dtype).settled(s) for s in shapes):
             continue
         with locked(_table_file(dtype), say):  # another process may have measured meanwhile: read what it stored
             t = table(dtype, retune)
             if not retune and (stored := _stored(t.machine, Path(t.file))):
-                t.times = {**stored.times, **t.times}
+                t.times, t.busy = {**stored.times, **t.times}, {**stored.busy, **t.busy}
                 t.skipped = t.skipped or stored.skipped
-            missing = {s: ws for s, ws in shapes.items() if s not in t.times}
+            missing = {s: ws for s, ws in shapes.items() if not t.settled(s)}
             if not missing:
                 continue
+            if busy := [s for s in missing if s in t.times]:
+                say(f"timing {', '.join(busy)} again: other programs took more than {contention.BUSY:.0%} of the "
+                    "CPU time specviz needed when they were timed")
             t.skipped = unavailable(dtype)
             paths = [p for p in PATHS.values() if p.name not in t.skipped]
             started = time.perf_counter()
             say(f"measuring matrix-product kernels on this CPU in {t.dtype} (once; later starts read {t.file}): "
                 f"{len(missing)} shapes x {len(ROWS)} row counts x paths {', '.join(p.name for p in paths)}")
             for i, (shape, ws) in enumerate(missing.items(), 1):
-                t.times[shape] = _time_cells([w.detach().contiguous() for w in ws[:WEIGHTS_PER_SHAPE]], paths, ROWS)
-                say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)")
+                _TIMED_HERE.add((t.file, shape))
+                t.times[shape], share = contention.quietest(
+                    functools.partial(_time_cells, [w.detach().contiguous() for w in ws[:WEIGHTS_PER_SHAPE]], paths,
+                                      ROWS),
+                    functools.partial(_again, say, shape))
+                t.busy.pop(shape, None)
+                if share is not None:
+                    t.busy[shape] = round(share, 3)
+                say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)"
+                    + (f"; timed while other programs took {share:.0%} of the CPU time specviz needed, so the next "
+                       "start times it again" if share is not None and share > contention.BUSY else ""))
             t.save()
+
+
+def _again(say: Progress, shape: str, share: float) -> None:
+    say(f"  other programs took {share:.0%} of the CPU time specviz needed while {shape} was timed; timing it again...")
 
 
 def choose(weight: torch.Tensor, rows: int, lossy: bool = False) -> str:
@@ -511,6 +535,9 @@ def table_text(dtype: torch.dtype, shapes: Iterable[str] | None = None) -> str:
              "|---|---|" + "---|" * len(ROWS)]
     for shape in shapes or t.times:
         by_rows = t.times.get(shape, {})
+        if t.busy.get(shape, 0.0) > contention.BUSY:
+            lines.append(f"| {shape} | timed while other programs took {t.busy[shape]:.0%} of the CPU time specviz "
+                         "needed: the next start times it again |" + " |" * len(ROWS))
         for name in names:
             cells = []
             for r in ROWS:

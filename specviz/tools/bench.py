@@ -568,7 +568,7 @@ def speedup_chart(rows: list[BenchRow]):
 
 def environment(pair: ModelPair, others: float | None = None) -> dict:
     """The run's machine, versions and models; `others`: the part of the CPU time it needed that other
-    processes took (costs.others_meter)."""
+    processes took (contention.others_meter)."""
     import platform
 
     import torch

@@ -441,6 +441,7 @@ def _csv(text: str, kind=str) -> list:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ..models.contention import BUSY, others_meter
     from .bench import (
         adaptive_summary,
         baseline_summary,
@@ -455,7 +456,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tree_summary,
         write_results,
     )
-    from .costs import BUSY, others_meter
     from .prompts import BENCHMARK_PROMPTS
 
     prompts = BENCHMARK_PROMPTS

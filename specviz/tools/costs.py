@@ -24,7 +24,7 @@ sentence, so neither the app nor the CLI leaves the viewer to discover it.
 Timed while other programs use the CPU, forwards slow down unevenly (a one-token step measured at twice
 its idle time made c(5) = 0.93 in a stored file here). So a forward's cost is the fastest of its repeats
 (other work only ever slows one down); how much of the CPUs our threads need other processes took while
-timing is read from Linux's /proc/stat (`others_meter`); the forwards are timed again, up to ATTEMPTS
+timing is read from Linux's /proc/stat (models/contention.py); the forwards are timed again, up to ATTEMPTS
 times, while that exceeds BUSY; and costs still timed on a busy machine are said to be so (`describe`) and
 timed again at the next start.
 """
@@ -46,7 +46,7 @@ import torch
 
 from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate
 from ..core.kvcache import KVState
-from ..models import kernels
+from ..models import contention, kernels
 from ..models.cachedir import cache_root, locked
 from ..models.loading import ModelPair, encode_prompt
 
@@ -55,8 +55,6 @@ CALIBRATION_PROMPT = "The future of AI"
 CALIBRATION_TOKENS = 24
 REPEATS = 10  # each width's forwards timed, interleaved
 TIMING = "forwards: the fastest of their repeats; a tree's drafting: its median round"  # (in the stored costs' key)
-BUSY = 0.2  # the part of the CPUs our threads need that other processes took, above which a timing is disturbed
-ATTEMPTS = 3  # timings of the forwards on a busy machine, the quietest kept
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 
@@ -77,7 +75,7 @@ class Costs:
 
     @property
     def disturbed(self) -> bool:
-        return self.busy is not None and self.busy > BUSY
+        return self.busy is not None and self.busy > contention.BUSY
 
     def forward(self, k: int) -> float:
         """ms of a forward of k tokens: the narrowest measured width that holds k."""
@@ -154,46 +152,6 @@ def note(best: Choice | None, costs: Costs | None) -> str:
 # --- measuring -----------------------------------------------------------------------------------
 
 
-def busy_seconds(stat: str, cpus: set[int]) -> float:
-    """CPU-seconds the listed CPUs have spent on anything but idling and waiting for I/O, from the text of
-    /proc/stat (its `cpuN user nice system idle iowait irq softirq steal ...` lines, in clock ticks)."""
-    ticks = 0
-    for line in stat.splitlines():
-        name, *fields = line.split()
-        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-            values = [int(v) for v in fields[:8]]
-            ticks += sum(values) - values[3] - values[4]  # all but idle and iowait (steal included: a VM's host)
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def shortfall(others: float, cpus: int, threads: int) -> float:
-    """The part of the CPUs our `threads` need (0 to 1) that was not free while other processes kept `others`
-    CPUs busy on average, of the `cpus` we may run on."""
-    needed = max(min(threads, cpus), 1)
-    return min(max(needed - (cpus - others), 0.0) / needed, 1.0)
-
-
-def others_meter() -> Callable[[], float | None]:
-    """Start counting: the function returned gives the part of the CPU time our torch threads needed that other
-    processes took since (`shortfall`; their busy CPU-seconds are every CPU's busy time in /proc/stat less
-    ours), or None where /proc/stat is missing (not Linux)."""
-    try:
-        cpus = os.sched_getaffinity(0)
-        with open("/proc/stat", encoding="ascii") as f:
-            start = busy_seconds(f.read(), cpus)
-    except (OSError, AttributeError, ValueError):
-        return lambda: None
-    ours, wall = time.process_time(), time.perf_counter()
-
-    def share() -> float | None:
-        with open("/proc/stat", encoding="ascii") as f:
-            others = busy_seconds(f.read(), cpus) - start - (time.process_time() - ours)
-        seconds = max(time.perf_counter() - wall, 1e-9)
-        return shortfall(max(others, 0.0) / seconds, len(cpus), torch.get_num_threads())
-
-    return share
-
-
 def timed_forward(state: KVState, prompt_ids: list[int]) -> Callable[[int], float]:
     """run(k) -> ms of one forward of k tokens over the cached prompt, rolled back afterwards (a
     verify whose drafts are all rejected), so every repeat runs at the same length."""
@@ -228,22 +186,16 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
 
 def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool,
                        progress: Progress | None) -> tuple[dict[int, float], float | None]:
-    """forward_ms over the calibration prompt, timed again (up to ATTEMPTS times) while other processes took
-    more than BUSY of the CPU time our threads needed; the quietest timing, with that part (None: unknown)."""
+    """forward_ms over the calibration prompt, timed again while other processes took too much of the CPU time
+    our threads needed (contention.quietest); the quietest timing, with that part (None: unknown)."""
     ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
-    best: tuple[dict[int, float], float | None] | None = None
-    for attempt in range(ATTEMPTS):
-        taken = others_meter()
-        ms = forward_ms(pair, ids, widths, REPEATS, compiled)
-        busy = taken()
-        if best is None or busy is None or busy < best[1]:
-            best = ms, busy
-        if busy is None or busy <= BUSY:
-            break
-        if progress and attempt + 1 < ATTEMPTS:
-            progress(f"other programs took {busy:.0%} of the CPU time specviz needed while the forwards were "
+
+    def again(share: float) -> None:
+        if progress:
+            progress(f"other programs took {share:.0%} of the CPU time specviz needed while the forwards were "
                      "timed; timing them again...")
-    return best
+
+    return contention.quietest(lambda: forward_ms(pair, ids, widths, REPEATS, compiled), again)
 
 
 def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0),
@@ -341,7 +293,7 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
         shares.append(busy)
     rounds = [(d, (2, 1, 0), False) for d in ["", *drafters] if d not in costs.overhead_ms]
     rounds += [t for t in trees if tree_key(*t) not in costs.tree_ms]
-    taken = others_meter()
+    taken = contention.others_meter()
     for d, shape, sampled in rounds:
         if shape[1] == 1:
             costs.draft_ms[d], costs.overhead_ms[d] = _round_costs(pair, d, compiled)
