@@ -43,6 +43,7 @@ from specviz.ui.page import (
     first_run_values,
     get_pair,
     machine_first_run,
+    share_the_cores,
 )
 from specviz.ui.view import OUTPUT_NAMES, STEP_HINT
 from specviz.view.rendering import CSS, legend_html
@@ -292,6 +293,7 @@ def warm_up() -> None:
 if __name__ == "__main__":
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on the console
     log.setLevel(logging.INFO)  # and its progress (loading, measuring this machine's kernels and costs)
+    log.info(share_the_cores())  # before any model work: the kernel table and costs are per thread count
     warm_up()
     launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

@@ -140,6 +140,39 @@ def test_a_preset_brings_its_first_run_settings():
     assert custom_target["visible"] is True
 
 
+def test_the_app_leaves_a_core_to_a_browser_on_this_machine(monkeypatch):
+    """A browser drawing the page beside a decode on every core stalls the decode's threads (3-5 tokens/s on
+    2 cores against 37-51 on one, CPU A): the app decodes on one core fewer, all in public mode (browsers
+    elsewhere), as many as SPECVIZ_THREADS says when it is set."""
+    import torch
+
+    from specviz.ui import page
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        monkeypatch.delenv("SPECVIZ_THREADS", raising=False)
+        monkeypatch.delenv("SPACE_ID", raising=False)
+        monkeypatch.setattr(page, "PUBLIC", False)
+        assert "one core left to a browser" in page.share_the_cores() and torch.get_num_threads() == 3
+        torch.set_num_threads(1)
+        assert page.share_the_cores().startswith("decoding on 1 thread:") and torch.get_num_threads() == 1
+        torch.set_num_threads(4)
+        monkeypatch.setattr(page, "PUBLIC", True)
+        assert "public mode" in page.share_the_cores() and torch.get_num_threads() == 4
+        monkeypatch.setattr(page, "PUBLIC", False)
+        monkeypatch.setenv("SPACE_ID", "someone/specviz")
+        assert "a Space" in page.share_the_cores() and torch.get_num_threads() == 4
+        monkeypatch.setenv("SPECVIZ_THREADS", "2")
+        assert "SPECVIZ_THREADS" in page.share_the_cores() and torch.get_num_threads() == 2
+        for bad in ("0", "two"):
+            monkeypatch.setenv("SPECVIZ_THREADS", bad)
+            with pytest.raises(ValueError, match="SPECVIZ_THREADS"):
+                page.share_the_cores()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_batch_streams_one_row_per_prompt(app_url):
     import app
 

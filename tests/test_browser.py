@@ -397,3 +397,20 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
               f"run began {(begun - started) / 1000:.1f} s after Run and ended "
               f"{(page.evaluate('performance.now()') - started) / 1000:.1f} s after it")
         browser.close()
+
+
+def test_bench_page_reads_the_speedup_the_page_shows_and_who_spent_the_cpu(capsys):
+    """`bench-page` serves the app as `python app.py` does, presses Run in Chromium and reads the page's status
+    line: the speedup and both tokens/s, with the CPU-seconds of the server and of the browser (Linux)."""
+    from specviz.tools import cli, pagebench
+
+    assert cli.main(["bench-page", "--runs", "2", "--max-new-tokens", "6", "--update-s", "0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\| [12] \|", line)]
+    assert len(rows) == 2, out
+    for row in rows:
+        speedup, tps, wall, *cpu = [c.strip() for c in row.strip("|").split("|")][1:]
+        spec, base = (float(x) for x in tps.split(" / "))
+        assert float(speedup.rstrip("x")) == pytest.approx(spec / base, abs=0.01) and float(wall) > 0
+        assert len(cpu) == (2 if pagebench.cpu_seconds(os.getpid()) is not None else 0)
+        assert all(float(c) > 0 for c in cpu)

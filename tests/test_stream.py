@@ -1,5 +1,6 @@
 """The streaming API that the CLI and the app consume: typed updates, a trace, a time limit."""
 
+import re
 import subprocess
 import sys
 
@@ -80,3 +81,28 @@ def test_the_apps_trace_folder_is_made_on_first_use_and_removed_at_exit(tmp_path
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(str(tmp_path)) and list(tmp_path.iterdir()) == []
+
+
+def test_the_page_is_drawn_at_most_every_update_s_and_at_each_runs_last_round(pattern_pair, monkeypatch):
+    """A 2-core CPU's browser spends about 0.4 s drawing the page, far longer than a round: drawn every round,
+    it slows the decode it shows. Rounds come faster than UPDATE_S here, so the page is drawn at the first
+    round, at each run's last round and at the end; drawn as often as rounds come (UPDATE_S 0), every round."""
+    from specviz.ui import handlers
+    from specviz.ui.view import View
+
+    pair = pattern_pair("llama")
+    settings = Settings(gamma=2, max_new_tokens=24)
+
+    def drawn(update_s: float) -> tuple[list[str], Finished]:
+        monkeypatch.setattr(handlers, "UPDATE_S", update_s)
+        updates = list(stream(pair, "w2 w3 w4", settings, compare=True, chat_template=False))
+        statuses = [re.sub("<[^>]+>", "", frame[0]) for frame in handlers.follow(View(), iter(updates), "")]
+        return statuses, updates[-1]
+
+    statuses, last = drawn(3600.0)
+    first = last.spec.events[0].tokens_so_far
+    assert statuses[:3] == [f"speculative: round 1, {first} tokens",
+                            f"speculative: round {len(last.spec.events)}, 24 tokens", "baseline: 24 tokens"]
+    assert len(statuses) == 4 and statuses[-1].startswith("done: 24 tokens. Speedup")
+    every, _ = drawn(0.0)
+    assert len(every) == len(last.spec.events) + len(last.base.events) + 1

@@ -252,6 +252,28 @@ def _add_bench_render(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--repeats", type=int, default=3)
 
 
+def _add_bench_page(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench-page", help="serve the app, press Run in Chromium on this machine, and report the "
+                                          "speedup the page reads and the CPU time the server and the browser spent")
+    b.add_argument("--prompt", default=None, help="the prompt typed in (default: the page's own)")
+    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--max-new-tokens", type=int, default=None, help="typed in (default: the page's own)")
+    b.add_argument("--threads", type=int, default=None, help="SPECVIZ_THREADS for the app (default: the app's)")
+    b.add_argument("--update-s", type=float, default=None,
+                   help="SPECVIZ_UPDATE_S for the app: the page redrawn at most this often (0: every round)")
+
+
+def cmd_bench_page(args: argparse.Namespace) -> int:
+    from .pagebench import page_runs, table
+
+    if args.runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    rows = page_runs(args.prompt, args.runs, args.max_new_tokens, args.threads, args.update_s,
+                     lambda m: print(m, file=sys.stderr, flush=True))
+    print(table(rows))
+    return 0
+
+
 def cmd_bench_render(args: argparse.Namespace) -> int:
     from .bench import render_cost
 
@@ -583,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench_render(sub)
+    _add_bench_page(sub)
     _add_distill(sub)
     _add_bench(sub)
     _add_kernels(sub)
@@ -591,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on stderr
     args.argv = argv
-    commands = {"generate": cmd_generate, "bench-render": cmd_bench_render, "distill": cmd_distill,
+    commands = {"generate": cmd_generate, "bench-render": cmd_bench_render, "bench-page": cmd_bench_page,
+                "distill": cmd_distill,
                 "bench": cmd_bench, "kernels": cmd_kernels, "check": cmd_check}
     try:
         return commands[args.command](args)

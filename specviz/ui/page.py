@@ -56,9 +56,33 @@ MAX_BATCH_UI = 4 if PUBLIC else 8
 MAX_SAMPLES_UI = 2000 if PUBLIC else 20_000
 BATCH_SEPARATOR = "---"
 TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
+UPDATE_S = float(os.environ.get("SPECVIZ_UPDATE_S", "0.25"))  # the page drawn at most this often in a run (0: always)
 FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 log = logging.getLogger("specviz")
+
+
+def share_the_cores() -> str:
+    """Set the threads the app decodes with, and say why. A browser on the same machine redraws the page while
+    the model runs, and a thread of a decode that uses every core then waits for it at each of the forward's
+    parallel steps: on a 2-core CPU with the page open on it, the offline pair decoded at 3-5 tokens/s
+    speculatively (17-26 plain) on both cores and at 37-51 (46-58) on one. So the app leaves one core to the
+    browser and the server; public mode (the Docker image) and a Hugging Face Space (SPACE_ID), whose browsers
+    are elsewhere, keep them all; SPECVIZ_THREADS sets the count."""
+    import torch
+
+    asked = os.environ.get("SPECVIZ_THREADS", "").strip()
+    if asked:
+        threads, why = int(asked) if asked.isdigit() else 0, "SPECVIZ_THREADS"
+    elif PUBLIC or os.environ.get("SPACE_ID"):
+        threads, why = torch.get_num_threads(), "public mode or a Space: browsers elsewhere"
+    else:
+        threads = max(1, torch.get_num_threads() - 1)
+        why = "one core left to a browser on this machine and the server (SPECVIZ_THREADS to change)"
+    if threads < 1:
+        raise ValueError(f"SPECVIZ_THREADS must be a whole number of at least 1, got {asked!r}")
+    torch.set_num_threads(threads)
+    return f"decoding on {threads} thread{'s' if threads > 1 else ''}: {why}"
 
 
 @functools.cache

@@ -1,0 +1,126 @@
+"""What the page shows on this machine: the app served, Chromium on the same machine pressing Run, and the
+speedup the page then reads, with the CPU time the server and the browser spent on each run.
+
+The CLI and `bench` time decoding alone. A person watching the app has a browser drawing the page on the
+same CPU, which a decode on every core waits for (page.share_the_cores); this measures what they see. The
+app runs as `python app.py` does (its warm-up included), with SPECVIZ_THREADS and SPECVIZ_UPDATE_S passed
+on when given, so the page's settings can be compared run against run. Needs the repository's app.py,
+Playwright and a Chromium (`chromium` on the PATH). CPU times are read from Linux's /proc (elsewhere: none).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+APP = Path(__file__).resolve().parents[2] / "app.py"
+SPEEDUP = re.compile(r"Speedup ([\d.]+)× \(([\d.]+) against ([\d.]+) tokens/s\)")
+READ = ("speedup", "spec_tps", "base_tps")  # what SPEEDUP reads from the page's status line
+Progress = Callable[[str], None]
+
+
+def cpu_seconds(app_pid: int) -> dict[str, float] | None:
+    """CPU-seconds so far of the app (its process) and of every Chromium process; None without /proc."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    tick, out = os.sysconf("SC_CLK_TCK"), {"app": 0.0, "browser": 0.0}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        who = "app" if int(pid) == app_pid else "browser" if "chrom" in cmd else None
+        if who:
+            out[who] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(env: dict[str, str], progress: Progress) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    app = subprocess.Popen([sys.executable, str(APP)], cwd=APP.parent, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT, env={**os.environ, **env, "GRADIO_SERVER_NAME": "127.0.0.1",
+                                                          "GRADIO_SERVER_PORT": str(port)})
+    url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + 600
+    progress("starting the app (loading, and on a first start measuring this machine's kernels)...")
+    while time.monotonic() < deadline and app.poll() is None:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return app, url
+        except OSError:
+            time.sleep(0.5)
+    app.kill()
+    raise RuntimeError("the app did not start serving (run `python app.py` to see why)")
+
+
+def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, threads: int | None = None,
+              update_s: float | None = None, progress: Progress = print) -> list[dict]:
+    """Per run: the page's status line, the speedup and tokens/s it reads, the wall time from the click to
+    "done", and the app's and the browser's CPU-seconds over it."""
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    if not APP.is_file() or not chromium:
+        raise RuntimeError("bench-page needs the repository's app.py and a `chromium` on the PATH")
+    env = {k: str(v) for k, v in (("SPECVIZ_THREADS", threads), ("SPECVIZ_UPDATE_S", update_s)) if v is not None}
+    app, url = _serve(env, progress)
+    rows = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1366, "height": 900})
+            page.goto(url, wait_until="domcontentloaded")
+            page.locator("#run-btn").wait_for(timeout=120_000)
+            if prompt is not None:
+                page.get_by_label("Prompt").fill(prompt)
+            if max_new_tokens is not None:
+                box = page.get_by_role("spinbutton", name="number input for max new tokens")
+                box.fill(str(max_new_tokens))
+                box.press("Enter")
+            time.sleep(2)  # the page's first drawing done
+            last = "done"  # the last run's status line (before the first: any line saying "done")
+            for i in range(runs):
+                before, start = cpu_seconds(app.pid), time.perf_counter()
+                page.locator("#run-btn").click()
+                page.wait_for_function("(last) => !document.querySelector('#status').innerText.includes(last)",
+                                       arg=last, timeout=600_000)  # the new run under way: the last one's line gone
+                page.locator("#status :text('done')").wait_for(timeout=600_000)
+                wall, after = time.perf_counter() - start, cpu_seconds(app.pid)
+                status = last = page.locator("#status").inner_text().strip()
+                read = [float(x) for x in found.groups()] if (found := SPEEDUP.search(status)) else [None] * 3
+                rows.append({"run": i + 1, "status": status, "wall_s": wall, **dict(zip(READ, read, strict=True)),
+                             **({f"{k}_cpu_s": after[k] - before[k] for k in after} if before and after else {})})
+                progress(f"run {i + 1}: {status}")
+                time.sleep(1)
+            browser.close()
+    finally:
+        app.terminate()
+        app.wait(timeout=30)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    cpu = "app_cpu_s" in rows[0]
+    lines = ["| run | speedup the page reads | speculative / baseline tokens/s | click to done, s"
+             + (" | app CPU-s | browser CPU-s |" if cpu else " |"),
+             "|---|---|---|---|" + ("---|---|" if cpu else "")]
+    for r in rows:
+        tps = f"{r['spec_tps']:.1f} / {r['base_tps']:.1f}" if r["speedup"] is not None else "–"
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "–"
+        lines.append(f"| {r['run']} | {speedup} | {tps} | {r['wall_s']:.1f}"
+                     + (f" | {r['app_cpu_s']:.1f} | {r['browser_cpu_s']:.1f} |" if cpu else " |"))
+    return "\n".join(lines) + "\n"
