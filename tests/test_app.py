@@ -141,9 +141,9 @@ def test_a_preset_brings_its_first_run_settings():
 
 
 def test_the_app_leaves_a_core_to_a_browser_on_this_machine(monkeypatch):
-    """A browser drawing the page beside a decode on every core stalls the decode's threads (3-5 tokens/s on
-    2 cores against 37-51 on one, CPU A): the app decodes on one core fewer, all in public mode (browsers
-    elsewhere), as many as SPECVIZ_THREADS says when it is set."""
+    """A browser drawing the page beside a decode on every core stalls the decode's threads (a tenth of the
+    speed on CPU A's 2 cores: BENCHMARKS.md, "The page as a person sees it"): the app decodes on one core
+    fewer, on all in public mode or a Space (browsers elsewhere), on as many as SPECVIZ_THREADS says."""
     import torch
 
     from specviz.ui import page

@@ -84,9 +84,9 @@ def test_the_apps_trace_folder_is_made_on_first_use_and_removed_at_exit(tmp_path
 
 
 def test_the_page_is_drawn_at_most_every_update_s_and_at_each_runs_last_round(pattern_pair, monkeypatch):
-    """A 2-core CPU's browser spends about 0.4 s drawing the page, far longer than a round: drawn every round,
-    it slows the decode it shows. Rounds come faster than UPDATE_S here, so the page is drawn at the first
-    round, at each run's last round and at the end; drawn as often as rounds come (UPDATE_S 0), every round."""
+    """A 2-core CPU's browser spends about 0.2 CPU-seconds drawing the page, longer than a round: drawn every
+    round, the page falls behind the decode it shows. Rounds come faster than UPDATE_S here, so the page is
+    drawn at the first round, at each run's last round and at the end; with UPDATE_S 0, every round."""
     from specviz.ui import handlers
     from specviz.ui.view import View
 

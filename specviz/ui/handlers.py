@@ -76,8 +76,8 @@ def draft_note(pair: ModelPair, settings) -> str:
 
 def follow(view: View, updates: Iterator[Update], note: str):
     """The page every UPDATE_S at most, and at each run's last round, until the runs finish: every round shows,
-    several at once when they come faster (drawing a page costs a 2-core CPU's browser about 0.4 s: drawn
-    every round, the browser took 16-17 CPU-seconds over a 64-token comparison that decodes in 2.5)."""
+    several at once when they come faster (drawn every round, a 64-token comparison that decodes in 1-2 s kept
+    a 2-core CPU's browser busy for 18-21 CPU-seconds: `bench-page`, BENCHMARKS.md)."""
     drawn = -math.inf  # the first round is drawn at once
     for update in updates:
         if isinstance(update, RoundDone):

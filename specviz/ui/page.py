@@ -63,12 +63,12 @@ log = logging.getLogger("specviz")
 
 
 def share_the_cores() -> str:
-    """Set the threads the app decodes with, and say why. A browser on the same machine redraws the page while
-    the model runs, and a thread of a decode that uses every core then waits for it at each of the forward's
-    parallel steps: on a 2-core CPU with the page open on it, the offline pair decoded at 3-5 tokens/s
-    speculatively (17-26 plain) on both cores and at 37-51 (46-58) on one. So the app leaves one core to the
-    browser and the server; public mode (the Docker image) and a Hugging Face Space (SPACE_ID), whose browsers
-    are elsewhere, keep them all; SPECVIZ_THREADS sets the count."""
+    """Set the threads the app decodes with, and say why. A browser on the same machine draws the page while
+    the model runs, and a decode on every core then waits for it at each of the forward's parallel steps: with
+    the page open on a 2-core CPU, a tenth of the speed on both cores (`bench-page`; BENCHMARKS.md, "The page
+    as a person sees it"). So the app leaves one core to the browser and the server; public mode (the Docker
+    image) and a Hugging Face Space (SPACE_ID), whose browsers are elsewhere, keep them all; SPECVIZ_THREADS
+    sets the count."""
     import torch
 
     asked = os.environ.get("SPECVIZ_THREADS", "").strip()
