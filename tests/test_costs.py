@@ -253,7 +253,7 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
     # busy at every attempt: the quietest of three kept, and the costs say so
     file = next((tmp_path / "costs").glob("*.json"))
     file.unlink()
-    costs._TIMED_HERE.clear()
+    contention._TIMED_HERE.clear()
     timings.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([0.6, 0.4, 0.7, 0.3]))
     choice, busy = costs.first_run(pair, taus)
@@ -263,12 +263,12 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
     # read again in this process; timed again by the next one (quiet now), and then read
     monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
     assert costs.first_run(pair, taus) == (choice, busy) and len(timings) == 3
-    costs._TIMED_HERE.clear()  # a new process
+    contention._TIMED_HERE.clear()  # a new process
     said.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([0.0, 0.0]))
     _, again = costs.first_run(pair, taus, said.append)
     assert len(timings) == 4 and again.busy == 0.0
     assert any("the stored costs were timed while other programs took 40%" in m for m in said)
-    costs._TIMED_HERE.clear()
+    contention._TIMED_HERE.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
     assert costs.first_run(pair, taus)[1] == again and len(timings) == 4

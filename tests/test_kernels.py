@@ -105,7 +105,7 @@ def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tab
         return {str(r): {"linear": float(len(timings))} for r in rows}  # which attempt was kept
 
     monkeypatch.setattr(kernels, "_time_cells", cells)
-    monkeypatch.setattr(kernels, "_TIMED_HERE", set())
+    monkeypatch.setattr(contention, "_TIMED_HERE", set())
     w, said = torch.randn(96, 64), []
     monkeypatch.setattr(contention, "others_meter", scripted_meters([0.6, 0.1]))
     kernels.tune([w], said.append)
@@ -116,7 +116,7 @@ def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tab
     kernels.forget()
     Path(t.file).unlink()
     timings.clear()
-    kernels._TIMED_HERE.clear()
+    contention._TIMED_HERE.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([0.6, 0.5, 0.7]))
     kernels.tune([w])
     t = kernels.table(torch.float32)
@@ -128,7 +128,7 @@ def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tab
     assert len(timings) == 3
 
     kernels.forget()  # the next process times it again, quiet now, and says why
-    kernels._TIMED_HERE.clear()
+    contention._TIMED_HERE.clear()
     said.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([0.0]))
     kernels.tune([w], said.append)

@@ -22,6 +22,23 @@ T = TypeVar("T")
 
 BUSY = 0.2  # the part of the CPU time our threads needed that other processes took, above which a timing is redone
 ATTEMPTS = 3  # timings on a busy machine, the quietest kept
+_TIMED_HERE: set = set()  # what this process has timed: costs files, (kernel table, shape) pairs
+
+
+def took(share: float) -> str:
+    """A meter's reading, in words."""
+    return f"other programs took {share:.0%} of the CPU time specviz needed"
+
+
+def stands(busy: float | None, key: object) -> bool:
+    """Whether a kept timing stands (busy: what the meter read while it was taken, None: unmetered): taken on a
+    quiet machine, or by this process (`timing`); a busy one is timed again, once a start."""
+    return busy is None or busy <= BUSY or key in _TIMED_HERE
+
+
+def timing(key: object) -> None:
+    """This process times `key` now: whatever the meter reads, the result stands until the next start."""
+    _TIMED_HERE.add(key)
 
 
 def busy_seconds(stat: str, cpus: set[int]) -> float:

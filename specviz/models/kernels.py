@@ -275,8 +275,7 @@ class KernelTable:
 
     def settled(self, shape: str) -> bool:
         """Whether the shape's timings stand: made, and on a quiet machine (contention.py) or by this process."""
-        return shape in self.times and (self.busy.get(shape, 0.0) <= contention.BUSY
-                                        or (self.file, shape) in _TIMED_HERE)
+        return shape in self.times and contention.stands(self.busy.get(shape), (self.file, shape))
 
     def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False) -> str:
         """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
@@ -310,7 +309,6 @@ class KernelTable:
 
 
 _TABLES: dict[str, KernelTable] = {}
-_TIMED_HERE: set[tuple[str, str]] = set()  # (table file, shape) this process has timed: a busy one once a start
 
 
 def forget() -> None:
@@ -454,7 +452,7 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
             say(f"measuring matrix-product kernels on this CPU in {t.dtype} (once; later starts read {t.file}): "
                 f"{len(missing)} shapes x {len(ROWS)} row counts x paths {', '.join(p.name for p in paths)}")
             for i, (shape, ws) in enumerate(missing.items(), 1):
-                _TIMED_HERE.add((t.file, shape))
+                contention.timing((t.file, shape))
                 t.times[shape], share = contention.quietest(
                     functools.partial(_time_cells, [w.detach().contiguous() for w in ws[:WEIGHTS_PER_SHAPE]], paths,
                                       ROWS),
@@ -463,13 +461,13 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
                 if share is not None:
                     t.busy[shape] = round(share, 3)
                 say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)"
-                    + (f"; timed while other programs took {share:.0%} of the CPU time specviz needed, so the next "
-                       "start times it again" if share is not None and share > contention.BUSY else ""))
+                    + (f"; timed while {contention.took(share)}, so the next start times it again"
+                       if share is not None and share > contention.BUSY else ""))
             t.save()
 
 
 def _again(say: Progress, shape: str, share: float) -> None:
-    say(f"  other programs took {share:.0%} of the CPU time specviz needed while {shape} was timed; timing it again...")
+    say(f"  {contention.took(share)} while {shape} was timed; timing it again...")
 
 
 def choose(weight: torch.Tensor, rows: int, lossy: bool = False) -> str:
@@ -536,8 +534,8 @@ def table_text(dtype: torch.dtype, shapes: Iterable[str] | None = None) -> str:
     for shape in shapes or t.times:
         by_rows = t.times.get(shape, {})
         if t.busy.get(shape, 0.0) > contention.BUSY:
-            lines.append(f"| {shape} | timed while other programs took {t.busy[shape]:.0%} of the CPU time specviz "
-                         "needed: the next start times it again |" + " |" * len(ROWS))
+            lines.append(f"| {shape} | timed while {contention.took(t.busy[shape])}: the next start times it "
+                         "again |" + " |" * len(ROWS))
         for name in names:
             cells = []
             for r in ROWS:

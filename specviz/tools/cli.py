@@ -463,7 +463,7 @@ def _csv(text: str, kind=str) -> list:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..models.contention import BUSY, others_meter
+    from ..models.contention import BUSY, others_meter, took
     from .bench import (
         adaptive_summary,
         baseline_summary,
@@ -538,8 +538,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     busy = taken()
     paths = write_results(rows, environment(pair, busy), args.out, command, batch_rows, steps)
     if busy is not None and busy > BUSY:
-        print(f"other programs took {busy:.0%} of the CPU time specviz needed during this run: its times are "
-              "slower than this machine's, and its ratios noisier", file=sys.stderr)
+        print(f"{took(busy)} during this run: its times are slower than this machine's, and its ratios noisier",
+              file=sys.stderr)
     print(summary_by_setting(rows))
     if trees:
         print(tree_summary(rows))

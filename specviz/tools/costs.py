@@ -192,8 +192,7 @@ def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool,
 
     def again(share: float) -> None:
         if progress:
-            progress(f"other programs took {share:.0%} of the CPU time specviz needed while the forwards were "
-                     "timed; timing them again...")
+            progress(f"{contention.took(share)} while the forwards were timed; timing them again...")
 
     return contention.quietest(lambda: forward_ms(pair, ids, widths, REPEATS, compiled), again)
 
@@ -245,16 +244,12 @@ def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = No
         known = None if retune else _stored(file)
         if _serves(known, drafters, trees, file):
             return known
-        if known is not None and known.disturbed and file not in _TIMED_HERE:
+        if known is not None and not contention.stands(known.busy, file):
             if progress:
-                progress(f"the stored costs were timed while other programs took {known.busy:.0%} of the CPU time "
-                         "specviz needed; timing them again...")
+                progress(f"the stored costs were timed while {contention.took(known.busy)}; timing them again...")
             known = None
-        _TIMED_HERE.add(file)
+        contention.timing(file)
         return _measure(pair, drafters, trees, compiled, file, progress, known)
-
-
-_TIMED_HERE: set[Path] = set()  # costs files this process has timed (a disturbed one is timed again once a start)
 
 
 def _stored(file: Path) -> Costs | None:
@@ -273,8 +268,8 @@ def _serves(costs: Costs | None, drafters: list[str], trees: list[TreeRound], fi
     """Whether stored costs do: they hold every drafter and tree asked for, and were timed on a quiet machine
     (or by this process already)."""
     return costs is not None and all(d in costs.draft_ms for d in drafters) and all(
-        tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees) and (
-        not costs.disturbed or file in _TIMED_HERE)
+        tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees) and contention.stands(
+        costs.busy, file)
 
 
 def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compiled: bool, file: Path,
@@ -301,8 +296,7 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
             costs.tree_ms[tree_key(d, shape, sampled)] = sum(_round_costs(pair, d, compiled, shape, sampled))
     shares.append(taken() if rounds else None)
     costs.draft_ms.pop("", None)
-    known_shares = [b for b in shares if b is not None]
-    costs.busy = max(known_shares) if known_shares else None
+    costs.busy = max((b for b in shares if b is not None), default=None)
     file.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -311,8 +305,7 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
     if progress:
         progress(f"measured in {time.perf_counter() - started:.1f} s: c(3) = {costs.c(3):.2f}, "
                  f"one step {costs.forward_ms[1]:.1f} ms" + (
-                     f"; other programs took {costs.busy:.0%} of the CPU time specviz needed, so the next start "
-                     "times it again" if costs.disturbed else ""))
+                     f"; {contention.took(costs.busy)}, so the next start times it again" if costs.disturbed else ""))
     return costs
 
 
@@ -332,8 +325,7 @@ def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], 
 def describe(choice: Choice, costs: Costs) -> str:
     """One line: the chosen drafter and γ, and why (for the CLI and the app's note)."""
     k = width(choice.shape)
-    busy = (f" Timed while other programs took {costs.busy:.0%} of the CPU time specviz needed: the next start "
-            f"times it again." if costs.disturbed else "")
+    busy = f" Timed while {contention.took(costs.busy)}: the next start times it again." if costs.disturbed else ""
     return (note(choice, costs) or (
         f"chosen for this machine: {choice.text}, expected {choice.expected:.2f}x over "
         f"plain decoding (a verify of {k} tokens costs {costs.c(k):.2f} one-token steps of "
