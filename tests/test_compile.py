@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from conftest import words
+from conftest import with_our_build, words
 
 from specviz.core.generator import Settings, generate, generate_batch
 from specviz.models.leanllama import LeanLlama
@@ -87,7 +87,7 @@ def test_a_second_start_loads_the_compiled_graphs_from_disk(pattern_dirs, tmp_pa
     import sys
 
     target, draft = pattern_dirs("llama")
-    env = {**os.environ, "SPECVIZ_CACHE": str(tmp_path)}
+    env = {**os.environ, "SPECVIZ_CACHE": str(with_our_build(tmp_path))}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     command = [sys.executable, "-m", "specviz", "generate", "--target", str(target), "--draft", str(draft),
                "--drafter", "lookup", "--prompt", "a b c a b", "--no-chat-template", "--gamma", "1",

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PAD, scripted_meters, while_another_process_makes, word_id, words
+from conftest import PAD, scripted_meters, while_another_process_makes, with_our_build, word_id, words
 
 from specviz.core.generator import Settings, generate
 from specviz.core.kvcache import KVState
-from specviz.models import kernels
+from specviz.models import kernels, leanllama
 from specviz.models.leanllama import LeanLlama, Linear
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,7 +258,7 @@ def test_auto_dtype_comes_from_the_measurement(fresh_tables):
 
 FORCED = """
 import sys, torch
-from specviz.models import kernels
+from specviz.models import kernels, leanllama
 from specviz.models.loading import load_pair
 from specviz.core.generator import Settings, generate
 pair = load_pair(sys.argv[1], sys.argv[2], device="cpu", dtype=sys.argv[3])
@@ -284,7 +284,8 @@ def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_pa
     if needs and needs not in kernels._cpu()[1]:
         pytest.skip(f"this CPU has no {needs}: capped to {cap} it runs the class below it, tested here too")
     target, draft = pattern_dirs("llama")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap, "SPECVIZ_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap, "SPECVIZ_CACHE": str(with_our_build(tmp_path)),
+           "PYTHONPATH": str(ROOT)}
     if aten == "avx2" or "avx512f" in kernels._cpu()[1]:
         env["ATEN_CPU_CAPABILITY"] = aten
     for dtype in ("float32", "bfloat16"):
@@ -299,6 +300,8 @@ def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_pa
             assert "'avx512'" in skipped and "'avx512-dot'" in skipped
         if cap == "AVX512_CORE":  # AVX-512 without its bf16 instructions: the pair kernel is not called
             assert "'avx512-dot'" in skipped
+        if cap != "AVX512_CORE_AMX":  # below AMX no tile is touched (an illegal instruction kills, not raises)
+            assert "'amx'" in skipped
 
 
 @pytest.mark.slow
@@ -319,7 +322,7 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     (tmp_path / "cache" / "SmolLM2-135M-Instruct").symlink_to(offline_target_dir())
     (cache_root() / "costs").mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache" / "costs").symlink_to(cache_root() / "costs")
-    env = {**os.environ, "SPECVIZ_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "SPECVIZ_CACHE": str(with_our_build(tmp_path / "cache")), "PYTHONPATH": str(ROOT)}
     if cap and "avx512f" not in kernels._cpu()[1]:
         pytest.skip("this CPU has no AVX512: the uncapped run already runs the AVX2 kernels")
     if cap:
@@ -329,7 +332,6 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
         if shared.is_file():
             stored = json.loads(shared.read_text())
             stored["times"].pop("576x576", None)
-            (tmp_path / "cache" / "kernels").mkdir()
             (tmp_path / "cache" / "kernels" / shared.name).write_text(json.dumps(stored))
     command = [sys.executable, "-m", "specviz", "kernels", "--dtype", "float32", "--repeats", "1"]
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -422,7 +424,8 @@ def test_a_lossy_path_drafts_only_and_the_output_stays_exact(eagle_pair, fresh_t
     assert ((together - x @ w.T).norm(dim=-1) / (x @ w.T).norm(dim=-1)).max() < 0.03  # close, not equal
 
     pair = eagle_pair("llama")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "int8" if lossy else "linear")
+    monkeypatch.setattr(kernels, "choose",
+                        lambda weight, rows, lossy=False, in_call=False: "int8" if lossy else "linear")
     head, saved = pair.head, (pair.head._lean, pair.head._lean_linears)
     head._lean = head._lean_linears = None  # Linear modules built anew, asking the patched choice
     _relinked(pair)
@@ -471,28 +474,34 @@ def test_our_avx2_kernel_multiplies_exactly_and_each_row_alone(fresh_tables, wei
             assert torch.equal(native.bind(packed, w, b, avx512=True)(x[:rows]), alone[:rows]), rows
 
 
-def test_the_pair_kernel_multiplies_bfloat16_and_each_row_alone(fresh_tables):
-    """The AVX512-BF16 kernel of a bfloat16 model (pairs of k per instruction): against float64 of the same
-    bfloat16 numbers, within the sum's float32 and the output's bfloat16 roundings, for every row count up
-    to 25 (passes of 1-6 rows), an odd k and a width that is not a multiple of 16 or 64; a row's numbers are
-    bitwise the same alone and among others."""
+@pytest.mark.parametrize("path", ["avx512-dot", "amx"])
+def test_the_pair_kernels_multiply_bfloat16_and_each_row_alone(fresh_tables, path):
+    """The AVX512-BF16 kernel of a bfloat16 model (pairs of k per instruction) and the AMX one on the same packed
+    weights: against float64 of the same bfloat16 numbers, within the sum's float32 and the output's bfloat16
+    roundings, for every row count up to 40 (passes of 1-6 rows; AMX tiles of up to 16), an odd k (AMX: one that
+    is not a multiple of its 32) and a width that is not a multiple of 16 or 64; a row's numbers are bitwise the
+    same alone and among others."""
     from specviz.models import native
 
-    if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
-        pytest.skip(f"the pair kernel does not run here: {why}")
+    if why := kernels.unavailable(torch.bfloat16).get(path):
+        pytest.skip(f"the {path} kernel does not run here: {why}")
+    k = 71
     gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(101, 71, generator=gen).bfloat16(), torch.randn(101, generator=gen).bfloat16()
-    x = torch.randn(25, 71, generator=gen).bfloat16()
-    packed = native.pack_pairs(w)  # 2 groups of 64 columns, the second 37 real ones, and 36 pairs of k
-    assert packed.shape == (2, 36, 64, 2) and not packed[1, :, 37:].any() and not packed[:, 35, :, 1].any()
-    product = native.bind_pairs(packed, w, b)
-    alone = torch.cat([product(x[i:i + 1]) for i in range(25)])
+    w, b = torch.randn(101, k, generator=gen).bfloat16(), torch.randn(101, generator=gen).bfloat16()
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    packed = kernels.PATHS[path].pack(w, 1)  # 2 groups of 64 columns, the second 37 real ones; pairs of k
+    pairs = 48 if path == "amx" else 36  # k padded to 96 (AMX) or 72
+    assert packed.shape == (2, pairs, 64, 2) and not packed[1, :, 37:].any() and not packed[:, 35:, :, 1].any()
+    product = native.bind_pairs(packed, w, b, amx=path == "amx")
+    alone = torch.cat([product(x[i:i + 1]) for i in range(40)])
     exact = x.double() @ w.double().T + b.double()
     assert alone.dtype == torch.bfloat16
     torch.testing.assert_close(alone.double(), exact, rtol=8e-3, atol=8e-3)
-    for rows in range(2, 26):
-        together = product(x[:rows].view(1, rows, 71))
+    for rows in range(2, 41):
+        together = product(x[:rows].view(1, rows, k))
         assert together.shape == (1, rows, 101) and torch.equal(together[0], alone[:rows]), rows
+    pairs = 48 if path == "amx" else 36  # k padded to 96 (AMX) or 72
+    assert packed.shape == (2, pairs, 64, 2) and not packed[1, :, 37:].any() and not packed[:, 35:, :, 1].any()
 
 
 def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
@@ -581,7 +590,7 @@ def test_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(r
 
     if not native.runs_here():
         pytest.skip("specviz's C functions do not run here")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "avx2")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: "avx2")
     pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
                      device="cpu", dtype=dtype)
     torch.manual_seed(0)
@@ -671,7 +680,7 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
 
     if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
         pytest.skip(f"the pair kernel does not run here: {why}")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "avx512-dot")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: "avx512-dot")
     config = copy.deepcopy(random_pair.target.config)
     config.attention_bias = True
     torch.manual_seed(0)
@@ -704,8 +713,13 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
     assert models[1].model.layers[0].self_attn.o_proj.bias is not None
     lean.native_plans.clear()
     monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
-    monkeypatch.setitem(lean.layers[-1].down.paths, 2, "linear")
+    monkeypatch.setitem(lean.layers[-1].down.paths, 2, "linear")  # its fastest path at 2 rows has no C function
+    calls = kernels.table(torch.bfloat16).calls.setdefault(lean.calls_key(), {})
+    calls["2"] = {"one call": 2.0, "per op": 1.0}  # as if timed: op by op faster
     assert lean.native_weights(2) is None and lean.native_weights(10) is not None
+    calls["2"] = {"one call": 1.0, "per op": 2.0}  # one call (through the pair kernel) faster
+    lean.native_plans.clear()
+    assert lean.native_weights(2) is not None and lean.layers[-1].down.call_paths[2] == "avx512-dot"
 
 
 def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch):
@@ -720,7 +734,7 @@ def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random
 
     if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
         pytest.skip(f"the pair kernel does not run here: {why}")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False: "avx512-dot")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: "avx512-dot")
     pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
                      device="cpu", dtype=torch.bfloat16)
     torch.manual_seed(0)
@@ -777,7 +791,7 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
     results = {}
     with torch.inference_mode():
         for name in runs:
-            monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, name=name: name)
+            monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False, name=name: name)
             for lin in lean.linears():
                 lin.paths.clear()
                 lin.products.clear()
@@ -796,4 +810,38 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
     monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
     lean.native_plans.clear()
     monkeypatch.setitem(lean.layers[0].qkv.paths, 2, "linear")
+    monkeypatch.setitem(lean.layers[0].qkv.call_paths, 2, "linear")  # and no path with a C function either
     assert lean.native_weights(2) is None and lean.native_weights(3) is not None
+
+
+def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fresh_tables, monkeypatch):
+    """Where one product's fastest path at a row count has no C function, the layers run in one call through
+    each product's fastest path that has one only if that forward timed faster than op by op: timed once, at
+    the kernel table's row count for it, kept in the table's file and read back by a later start (which times
+    nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    if "avx2" in kernels.unavailable(torch.float32):
+        pytest.skip("specviz's float32 kernels do not run here")
+    # the fastest path has no C function at 2 rows (ATen's), the fastest that has one is `avx2`
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False:
+                        "avx2" if in_call or rows != 2 else "linear")
+    model = AutoModelForCausalLM.from_pretrained(random_pair.target.config._name_or_path, dtype=torch.float32)
+    lean = LeanLlama.of(model)
+    timed = []
+    forward = LeanLlama.forward
+    monkeypatch.setattr(LeanLlama, "forward", lambda self, *a, **k: timed.append(a[0].shape) or forward(self, *a, **k))
+    with torch.inference_mode():
+        assert lean.native_weights(1) is not None and not timed  # every fastest path has a C function
+        plan = lean.native_weights(2)
+    ms = kernels.table(torch.float32).calls[lean.calls_key()]["2"]
+    assert set(ms) == {"one call", "per op"} and all(t > 0 for t in ms.values())
+    assert (plan is not None) == (ms["one call"] <= ms["per op"])
+    assert set(timed) == {(1, 2)} and len(timed) == 2 * (leanllama.CALL_REPEATS + 1)
+    assert 2 not in lean.native_plans or lean.native_plans[2] is plan  # the timing left no plan of its own
+    kernels.forget()  # a later start: the table's file
+    lean.native_plans.clear()
+    timed.clear()
+    with torch.inference_mode():
+        assert (lean.native_weights(2) is not None) == (plan is not None) and not timed
+    assert kernels.table(torch.float32).calls[lean.calls_key()]["2"] == ms

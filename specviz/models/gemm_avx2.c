@@ -280,6 +280,111 @@ void specviz_gemm_pairs(const void *x, const void *w, const float *bias, void *y
     specviz_gemm_dot_bf16(x, w, bias, y, m, n, k / 2);
 }
 
+/* The same packed weights multiplied with AMX tiles (CPUs with AMX-BF16): TDPBF16PS multiplies up to 16 rows by
+   16 columns over 32 k (16 pairs) in one instruction, so a verify of up to 16 rows costs about what one row
+   does: the weights' stream from memory, not the arithmetic, sets the time. A group of 64 columns is four
+   float32 C tiles (tmm0-3) of the block of rows; per 32 k one A tile of the rows' inputs (tmm4) and, for each
+   16 columns, a B tile of the group's pairs (rows of 64 bytes, 256 bytes apart: the packed layout as it is).
+   Each output is the instruction's own chain over k, whatever the rows beside it (its own bits: "amx").
+   The weights are packed with k zero-padded to a step of 32 (the A tile's width; kernels.py), and rows whose k
+   is not a multiple of 32 are copied, zero-padded, first; rows above 16 go in blocks of 16. Linux lends a process the tile registers only when asked (specviz_amx_ready), and each
+   thread loads its tile configuration before using them and releases them after. */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TARGET_AMX target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+
+/* 0 if this process may use the tile registers (asked once: ARCH_REQ_XCOMP_PERM for XTILEDATA), else -1. */
+int specviz_amx_ready(void)
+{
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static __attribute__((TARGET_AMX)) void amx_configure(int rows)
+{
+    struct tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t < 5 ? (uint8_t)rows : 16; /* C tiles 0-3 and A (4): the rows; B (5, 6): 16 pairs */
+    }
+    _tile_loadconfig(&cfg);
+}
+
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 2
+#endif
+#define AMX_B(c, t) _tile_loadd(t, at + 32 * (c), 2 * GROUP * 2);
+/* rows (1-16) rows of x [rows, k] times the group of 64 columns packed at wg, into y's columns n0.. (bf16). */
+static inline __attribute__((always_inline, TARGET_AMX)) void
+amx_group(const uint16_t *x, const uint16_t *wg, const float *bias, uint16_t *y, int rows, int n, int n0, int k)
+{
+    float out[16][GROUP];
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k0 = 0; k0 < k; k0 += 32) {
+        const uint16_t *at = wg + (size_t)k0 * GROUP; /* pair k0 / 2: (k0 / 2) pairs of 2 GROUP weights */
+        const char *ahead = (const char *)(at + AMX_AHEAD * 32 * GROUP); /* AMX_AHEAD steps of 32 k on */
+        for (int line = 0; line < 32 * GROUP * 2; line += 64)
+            _mm_prefetch(ahead + line, _MM_HINT_T1);
+        _tile_loadd(4, x + k0, 2 * (size_t)k);
+        AMX_B(0, 5) _tile_dpbf16ps(0, 4, 5);
+        AMX_B(1, 6) _tile_dpbf16ps(1, 4, 6);
+        AMX_B(2, 5) _tile_dpbf16ps(2, 4, 5);
+        AMX_B(3, 6) _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, &out[0][0], sizeof out[0]);
+    _tile_stored(1, &out[0][16], sizeof out[0]);
+    _tile_stored(2, &out[0][32], sizeof out[0]);
+    _tile_stored(3, &out[0][48], sizeof out[0]);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < GROUP && n0 + c < n; c += 16)
+            store16_bf16(_mm512_loadu_ps(&out[r][c]), bias, y + (size_t)r * n, n, n0 + c);
+}
+
+/* The AMX product with the signature of specviz_layers' products: x [m, k] and y [m, n] bfloat16 (k even). */
+__attribute__((TARGET_AMX)) void specviz_gemm_amx(const void *x, const void *w, const float *bias, void *y, int m,
+                                                  int n, int k)
+{
+    const int groups = (n + GROUP - 1) / GROUP, kp = (k + 31) / 32 * 32;
+    uint16_t *padded = NULL;
+    if (kp != k) { /* the rows zero-padded to the packed k */
+        if (!(padded = calloc((size_t)m * kp, sizeof *padded)))
+            return;
+        for (int r = 0; r < m; r++)
+            memcpy(padded + (size_t)r * kp, (const uint16_t *)x + (size_t)r * k, (size_t)k * sizeof *padded);
+        x = padded;
+    }
+    for (int m0 = 0; m0 < m; m0 += 16) {
+        const int rows = m - m0 < 16 ? m - m0 : 16;
+        const uint16_t *xb = (const uint16_t *)x + (size_t)m0 * kp;
+        uint16_t *yb = (uint16_t *)y + (size_t)m0 * n;
+#pragma omp parallel
+        {
+            amx_configure(rows);
+#pragma omp for schedule(static)
+            for (int g = 0; g < groups; g++)
+                amx_group(xb, (const uint16_t *)w + (size_t)g * kp * GROUP, bias, yb, rows, n, g * GROUP, kp);
+            _tile_release();
+        }
+    }
+    free(padded);
+}
+#else
+int specviz_amx_ready(void) { return -1; } /* a compiler without AMX: the path is skipped */
+void specviz_gemm_amx(const void *x, const void *w, const float *bias, void *y, int m, int n, int k) {}
+#endif
+
 /* RMSNorm of bfloat16 rows as transformers' LlamaRMSNorm computes it (leanllama.rms_norm): a row widened
    to float32, times 1 / sqrt(mean of its squares + eps), rounded to bfloat16, times the weight, rounded
    again, each rounding to nearest even as torch rounds. Only the order of the sum of squares differs

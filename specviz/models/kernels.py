@@ -133,6 +133,17 @@ def _pairs(packed, weight, bias, rows):
     return native.bind_pairs(packed, weight, bias)
 
 
+def _amx_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    if cpu_class() != "AMX":  # caps included: ONEDNN_MAX_CPU_ISA below AMX runs no tiles
+        raise RuntimeError(f"needs AMX-BF16 (this process runs {cpu_class()} kernels)")
+    native.amx_ready()
+    return native.pack_pairs(F.pad(weight, (0, -weight.shape[1] % 32)))  # k in steps of 32, an A tile's width
+
+
+def _amx(packed, weight, bias, rows):
+    return native.bind_pairs(packed, weight, bias, amx=True)
+
+
 def _int8_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """Symmetric int8 per output row, packed for the quantized engine (fbgemm on x86; raises where the
     engine cannot run, or once PyTorch drops quantized tensors, which it has announced: then the path
@@ -182,6 +193,9 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
     KernelPath("avx512-dot", (torch.bfloat16,), False, _pairs_pack, _pairs,
                "specviz's kernel for bfloat16 models with AVX512-BF16: a pair of products per lane and instruction",
                bits="pairs", layers=(torch.bfloat16, "specviz_gemm_pairs")),
+    KernelPath("amx", (torch.bfloat16,), False, _amx_pack, _amx,
+               "the pair kernel's weights multiplied with AMX tiles: up to 16 rows at the cost of about one",
+               bits="amx", layers=(torch.bfloat16, "specviz_gemm_amx")),
     KernelPath("avx2-bf16", (torch.float32,), False, lambda w, rows: native.pack(w, torch.bfloat16), _native(False),
                "the same kernel on weights rounded to bfloat16, half the bytes (drafters only)", lossy=True,
                numbers="bfloat16 weights", bits="specviz, bfloat16 weights",
@@ -272,16 +286,21 @@ class KernelTable:
     skipped: dict[str, str] = field(default_factory=dict)  # path -> why this CPU cannot use it
     file: str = ""
     busy: dict[str, float] = field(default_factory=dict)  # shape -> what other processes took while it was timed
+    # a model's layers (leanllama.LeanLlama.calls_key) -> rows (a timed row count) -> ms of its layers in one C call
+    # through the fastest paths that have a C function ("one call") and op by op through the fastest paths ("per op")
+    calls: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def settled(self, shape: str) -> bool:
         """Whether the shape's timings stand: made, and on a quiet machine (contention.py) or by this process."""
         return shape in self.times and contention.stands(self.busy.get(shape), (self.file, shape))
 
-    def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False) -> str:
+    def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False,
+             in_call: torch.dtype | None = None) -> str:
         """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
         above it (above the largest, the largest's fastest that needs no copy per row count); a lossy
         path only where `lossy` (a drafter's product), and then of the kind of numbers fastest at the
-        fewest timed rows, whatever `rows` is."""
+        fewest timed rows, whatever `rows` is; with in_call, only paths native.layers runs for that model
+        dtype ("linear" if none)."""
         by_rows = self.times.get(shape)
         if not by_rows:
             return "linear"
@@ -292,7 +311,8 @@ class KernelTable:
             fit = per_rows_ok and rows <= timed[-1]
             ms = {p: t for p, t in by_rows[str(at)].items()
                   if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)
-                  and numbers in (None, PATHS[p].numbers)}
+                  and numbers in (None, PATHS[p].numbers)
+                  and (in_call is None or (PATHS[p].layers or (None,))[0] == in_call)}
             return min(ms, key=ms.get) if ms else None
 
         kind = PATHS[fastest(timed[0]) or "linear"].numbers if lossy else None
@@ -304,7 +324,7 @@ class KernelTable:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"machine": self.machine, "dtype": self.dtype, "times": self.times, "skipped": self.skipped,
-                       "busy": self.busy}, f, indent=1)
+                       "busy": self.busy, "calls": self.calls}, f, indent=1)
         os.replace(tmp, path)
 
 
@@ -326,7 +346,8 @@ def _stored(m: dict, file: Path) -> KernelTable | None:
         return None
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        return KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file), data.get("busy", {}))
+        return KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file), data.get("busy", {}),
+                           data.get("calls", {}))
     except (ValueError, KeyError, OSError) as err:
         log.warning("specviz: ignoring an unreadable kernel table %s (%s); measuring again", file, err)
         return None
@@ -369,7 +390,10 @@ def unavailable(dtype: torch.dtype) -> dict[str, str]:
 
 @functools.cache
 def _largest_cache_bytes() -> int:
-    """The CPU's largest cache in bytes (Linux sysfs), 32 MiB where it cannot be read."""
+    """The CPU's largest cache in bytes (Linux sysfs), 32 MiB where it cannot be read; SPECVIZ_LLC_BYTES if set
+    (the test suite sets 32 MiB: its timings only have to run, and with a 300 MB cache each sweep read 512 MB)."""
+    if given := os.environ.get("SPECVIZ_LLC_BYTES"):
+        return int(given)
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
@@ -439,6 +463,7 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
             t = table(dtype, retune)
             if not retune and (stored := _stored(t.machine, Path(t.file))):
                 t.times, t.busy = {**stored.times, **t.times}, {**stored.busy, **t.busy}
+                t.calls = {**stored.calls, **t.calls}
                 t.skipped = t.skipped or stored.skipped
             missing = {s: ws for s, ws in shapes.items() if not t.settled(s)}
             if not missing:
@@ -470,13 +495,18 @@ def _again(say: Progress, shape: str, share: float) -> None:
     say(f"  {contention.took(share)} while {shape} was timed; timing it again...")
 
 
-def choose(weight: torch.Tensor, rows: int, lossy: bool = False) -> str:
+def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool = False) -> str:
     """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be); a lossy
-    one only for a drafter's product."""
+    one only for a drafter's product; in_call: the fastest that native.layers runs ("linear" if none)."""
     key = shape_key(weight)
     if key not in table(weight.dtype).times:
         tune([weight])
-    return table(weight.dtype).best(key, rows, lossy=lossy)
+    return table(weight.dtype).best(key, rows, lossy=lossy, in_call=weight.dtype if in_call else None)
+
+
+def timed_rows(rows: int) -> int:
+    """The timed row count whose timings stand for `rows` rows (as in KernelTable.best)."""
+    return next((r for r in ROWS if r >= rows), ROWS[-1])
 
 
 # --- the dtype `auto` picks on a CPU ---------------------------------------------------------------

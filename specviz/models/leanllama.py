@@ -49,6 +49,7 @@ WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to on
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is this times a power of two (few shapes, few graphs)
 GRAPHS = 64  # compiled forwards: shapes compiled per process, all models together (dynamo's limit); past it, eager
 SPARE_SETS = 4  # compiled caches a model keeps for reuse once their runs end
+CALL_CONTEXT, CALL_REPEATS = 64, 5  # LeanLlama.one_call_pays: the slots a timed forward attends over; its repeats
 log = logging.getLogger("specviz")
 PROGRESS = {"progress": True}  # a log record that reports progress (shown as it happens), not a problem
 
@@ -93,17 +94,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.paths: dict[int, str] = {}  # rows -> path name, filled on first use of a row count
+        self.call_paths: dict[int, str] = {}  # rows -> the fastest path native.layers runs, where a plan asks
         self.packs: dict[tuple[str, int], torch.Tensor] = {}  # (path, rows or 0) -> packed weight
         self.products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # rows -> the bound product
 
-    def path(self, rows: int) -> tuple[str, torch.Tensor | None]:
+    def path(self, rows: int, in_call: bool = False) -> tuple[str, torch.Tensor | None]:
         """(path, packed weight) for a product of `rows` rows; packs on first use (not while compiling:
-        LeanLlama.compiler packs the compiled widths beforehand)."""
-        name = self.paths.get(rows)
+        LeanLlama.compiler packs the compiled widths beforehand). in_call: the fastest path that native.layers
+        runs (for a layer plan), which may be slower alone than the one a product op by op takes."""
+        paths = self.call_paths if in_call else self.paths
+        name = paths.get(rows)
         if name is None:
             if torch.compiler.is_compiling():  # a row count not planned before tracing: plain
                 return "linear", None
-            name = self.paths[rows] = kernels.choose(self.weight, rows, self.lossy) \
+            name = paths[rows] = kernels.choose(self.weight, rows, self.lossy, in_call) \
                 if self.weight.device.type == "cpu" else "linear"
         kind = kernels.PATHS[name]
         key = (name, rows if kind.per_rows else 0)
@@ -249,20 +253,21 @@ def _vector_isa_known_good() -> bool:
     return True
 
 
-def layer_plan(rows: int, norm1: torch.Tensor, norm2: torch.Tensor, products: tuple[Linear, ...]
-               ) -> tuple[list, list] | None:
+def layer_plan(rows: int, norm1: torch.Tensor, norm2: torch.Tensor, products: tuple[Linear, ...],
+               in_call: bool = False) -> tuple[list, list] | None:
     """A Llama layer's fourteen addresses for native.layers at this row count (its norms' weights, then for each
     of its products qkv, o, gate_up and down the C function of the path this machine's timings chose for it at
     this row count, its packed weight and its float32 bias), with the biases they point into; or None where the
     layer does not fit the call: a product's path has no C function for the model's dtype (kernels.KernelPath's
     `layers`; packs on first use, as a product would), norms of another dtype, odd widths (the pair kernel takes
-    pairs of k). The caller checks the heads (native.attends)."""
+    pairs of k). in_call: each product's fastest path that has a C function, not its fastest. The caller checks
+    the heads (native.attends)."""
     dtype = products[0].weight.dtype
     if norm1.dtype != dtype or norm2.dtype != dtype or any(lin.weight.shape[1] % 2 for lin in products):
         return None
     pointers, biases = [norm1.data_ptr(), norm2.data_ptr()], []
     for lin in products:
-        name, packed = lin.path(rows)
+        name, packed = lin.path(rows, in_call)
         runs = kernels.PATHS[name].layers
         if runs is None or runs[0] != dtype:
             return None
@@ -395,13 +400,57 @@ class LeanLlama(nn.Module):
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
         """The layers' weights for native.layers at this row count (layer_plan's, layer after layer), or None
-        where a layer does not fit it."""
+        where a layer does not fit it. Where a product's fastest path has no C function, the layers run in one call
+        through the fastest paths that have one only if that measured faster on this machine (`one_call_pays`)."""
         if rows not in self.native_plans:
-            fits = native.attends(self.heads, self.kv_heads, self.head_dim)
-            layers = [layer_plan(rows, layer.norm1.weight, layer.norm2.weight, (layer.qkv, layer.o, layer.gate_up,
-                                 layer.down)) if fits and layer.q_norm is None else None for layer in self.layers]
-            self.native_plans[rows] = layers_plan(layers)
+            plan = self._plan(rows)
+            if plan is None and (plan := self._plan(rows, in_call=True)) is not None and not self.one_call_pays(
+                    rows, plan):
+                plan = None
+            self.native_plans[rows] = plan
         return self.native_plans[rows]
+
+    def _plan(self, rows: int, in_call: bool = False) -> ctypes.Array | None:
+        fits = native.attends(self.heads, self.kv_heads, self.head_dim)
+        return layers_plan([layer_plan(rows, layer.norm1.weight, layer.norm2.weight, (
+            layer.qkv, layer.o, layer.gate_up, layer.down), in_call) if fits and layer.q_norm is None else None
+            for layer in self.layers])
+
+    def calls_key(self) -> str:
+        """The layers' shapes, for the kernel table's `calls`."""
+        first = self.layers[0]
+        return (f"{len(self.layers)} layers {first.gate_up.weight.shape[1]}x{first.down.weight.shape[1]}, "
+                f"{self.heads}/{self.kv_heads} heads of {self.head_dim}")
+
+    @torch.inference_mode()
+    def one_call_pays(self, rows: int, plan: ctypes.Array) -> bool:
+        """Whether a forward of `rows` rows runs faster with its layers in one C call through `plan` than op by op
+        through each product's fastest path: timed once per machine at the row count whose kernel timings stand
+        for `rows` (kernels.timed_rows), over a context of CALL_CONTEXT slots, and kept in the kernel table."""
+        table, key, at = kernels.table(self.head.weight.dtype), self.calls_key(), kernels.timed_rows(rows)
+        ms = table.calls.get(key, {}).get(str(at))
+        if ms is None:
+            end = CALL_CONTEXT + at
+            like = self.embed.weight
+            keys = [like.new_zeros(1, self.kv_heads, end, self.head_dim) for _ in self.layers]
+            values = [torch.zeros_like(k) for k in keys]
+            slots = torch.arange(CALL_CONTEXT, end)
+            mask = torch.ones(1, 1, at, end, dtype=torch.bool).tril(CALL_CONTEXT)
+            ids = torch.zeros(1, at, dtype=torch.long)
+            held, times = self.native_plans.get(at), {"one call": [], "per op": []}
+            for _ in range(CALL_REPEATS + 1):  # the first of each warms up
+                for way, weights in (("one call", plan), ("per op", None)):
+                    self.native_plans[at] = weights
+                    start = time.perf_counter()
+                    self.forward(ids, slots[None], mask, slots, keys, values, end, True, False, last_only=True)
+                    times[way].append(1000 * (time.perf_counter() - start))
+            if held is None:
+                del self.native_plans[at]
+            else:
+                self.native_plans[at] = held
+            ms = table.calls.setdefault(key, {})[str(at)] = {way: min(t[1:]) for way, t in times.items()}
+            table.save()
+        return ms["one call"] <= ms["per op"]
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]

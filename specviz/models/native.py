@@ -105,6 +105,9 @@ def library() -> ctypes.CDLL:
     # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, scratch, eps, scale
     lib.specviz_layers.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
     lib.specviz_layers.restype = None
+    lib.specviz_gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
+    lib.specviz_gemm_amx.restype = None
+    lib.specviz_amx_ready.argtypes, lib.specviz_amx_ready.restype = [], ctypes.c_int
     lib.specviz_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x rows n out
     lib.specviz_argmax_f32.restype = None
     return lib
@@ -319,12 +322,22 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return _padded(weight, PAIR_GROUP, k, torch.bfloat16).view(-1, PAIR_GROUP, k // 2, 2).transpose(1, 2).contiguous()
 
 
-def bind_pairs(packed: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+@functools.cache
+def amx_ready() -> None:
+    """Raise unless this process may use AMX tiles: Linux lends them only when asked (once per process). The caller
+    has checked that the CPU has AMX-BF16 (kernels.cpu_class: the instructions would kill the process)."""
+    if library().specviz_amx_ready():
+        raise RuntimeError("Linux did not lend this process the AMX tile registers (or the compiler lacks AMX)")
+
+
+def bind_pairs(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               amx: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """The product x [..., K] @ weight.T + bias -> [..., N] in bfloat16, x and the weights in bfloat16, the sums
-    float32 (the caller has checked that this CPU has AVX512-BF16: the instruction would kill the process)."""
+    float32, with VDPBF16PS or, amx, with AMX tiles (the caller has checked that this CPU has AVX512-BF16, or
+    that amx_ready() passed: the instructions would kill the process)."""
     n, k = weight.shape
-    entry, pairs = library().specviz_gemm_dot_bf16, packed.shape[1]
+    lib = library()
+    entry, pairs = (lib.specviz_gemm_amx, k + k % 2) if amx else (lib.specviz_gemm_dot_bf16, packed.shape[1])
     b = None if bias is None else bias.float().contiguous()  # held by the product while the kernel reads it
     at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
 
