@@ -258,7 +258,7 @@ def test_auto_dtype_comes_from_the_measurement(fresh_tables):
 
 FORCED = """
 import sys, torch
-from specviz.models import kernels, leanllama
+from specviz.models import kernels
 from specviz.models.loading import load_pair
 from specviz.core.generator import Settings, generate
 pair = load_pair(sys.argv[1], sys.argv[2], device="cpu", dtype=sys.argv[3])
@@ -500,8 +500,6 @@ def test_the_pair_kernels_multiply_bfloat16_and_each_row_alone(fresh_tables, pat
     for rows in range(2, 41):
         together = product(x[:rows].view(1, rows, k))
         assert together.shape == (1, rows, 101) and torch.equal(together[0], alone[:rows]), rows
-    pairs = 48 if path == "amx" else 36  # k padded to 96 (AMX) or 72
-    assert packed.shape == (2, pairs, 64, 2) and not packed[1, :, 37:].any() and not packed[:, 35:, :, 1].any()
 
 
 def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):

@@ -287,8 +287,11 @@ void specviz_gemm_pairs(const void *x, const void *w, const float *bias, void *y
    16 columns, a B tile of the group's pairs (rows of 64 bytes, 256 bytes apart: the packed layout as it is).
    Each output is the instruction's own chain over k, whatever the rows beside it (its own bits: "amx").
    The weights are packed with k zero-padded to a step of 32 (the A tile's width; kernels.py), and rows whose k
-   is not a multiple of 32 are copied, zero-padded, first; rows above 16 go in blocks of 16. Linux lends a process the tile registers only when asked (specviz_amx_ready), and each
-   thread loads its tile configuration before using them and releases them after. */
+   is not a multiple of 32 are copied, zero-padded, first; rows above 16 go in blocks of 16. Each step prefetches
+   the weights AMX_AHEAD steps on into L2 (tile loads left memory idle: without it the one-row output head took
+   1.12x the pair kernel's time on the AMX CPU of BENCHMARKS.md, with 2 steps 0.69-0.93x; 1 and 4 within noise).
+   Linux lends a process the tile registers only when asked (specviz_amx_ready), and each thread loads its tile
+   configuration before using them and releases them after. */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #include <stdlib.h>
 #include <string.h>
@@ -319,9 +322,7 @@ static __attribute__((TARGET_AMX)) void amx_configure(int rows)
     _tile_loadconfig(&cfg);
 }
 
-#ifndef AMX_AHEAD
 #define AMX_AHEAD 2
-#endif
 #define AMX_B(c, t) _tile_loadd(t, at + 32 * (c), 2 * GROUP * 2);
 /* rows (1-16) rows of x [rows, k] times the group of 64 columns packed at wg, into y's columns n0.. (bf16). */
 static inline __attribute__((always_inline, TARGET_AMX)) void

@@ -5,7 +5,8 @@ half the bytes, each widened back to float32 in registers), inputs and sums are 
 A bfloat16 model's weights are packed as they are. The same file holds the kernel with AVX-512
 registers (the path "avx512": wider FMAs, the same bits), run only where ATen itself runs its
 AVX-512 kernels, and, for bfloat16 models on CPUs with AVX512-BF16, one that keeps the inputs in
-bfloat16 and multiplies pairs of them per instruction (the path "avx512-dot", `pack_pairs`), and a
+bfloat16 and multiplies pairs of them per instruction (the path "avx512-dot", `pack_pairs`; on CPUs with AMX the
+same packed weights through tiles, "amx"), and a
 bfloat16 RMSNorm (`rms_bf16`: one call where ATen runs eight small operations), bfloat16 attention
 (`attend_bf16`: a query's numbers from the keys it sees alone, so a verify row, a tree node and a batch
 row get a one-token step's bits), RoPE with the cache writes (`rope_store_bf16`), SiLU times up
