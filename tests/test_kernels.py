@@ -383,17 +383,17 @@ def test_every_bfloat16_path_gives_transformers_logits_within_bfloat16(random_pa
     """A bfloat16 model through each path that multiplies bfloat16, chosen for every shape and row count:
     a verify's and a step's logits equal the float32 computation of the same bfloat16 weights within
     bfloat16's rounding, as transformers' own bfloat16 forward does."""
-    why = kernels.unavailable(torch.bfloat16).get(path)
-    if why:
+    unavailable = kernels.unavailable(torch.bfloat16)
+    if why := unavailable.get(path):
         pytest.skip(f"{path} does not run on this CPU: {why}")
     V, prompt, verify = random_pair.vocab_size, words(0, 1, 2, 3), words(3, 4, 6)
     target = copy.deepcopy(random_pair.target).to(torch.bfloat16)
     target.__dict__.pop("_specviz_lean", None)  # the copied float64 one
     t = kernels.table(torch.bfloat16)
     lean = LeanLlama.of(target)
-    for lin in lean.linears():
-        t.times[kernels.shape_key(lin.weight)] = {str(r): {p: 1.0 if p == path else 2.0 for p in kernels.PATHS}
-                                                  for r in kernels.ROWS}
+    for lin in lean.linears():  # a table as tune() makes it: the paths this CPU runs (a layer plan may ask another)
+        t.times[kernels.shape_key(lin.weight)] = {str(r): {p: 1.0 if p == path else 2.0 for p in kernels.PATHS
+                                                           if p not in unavailable} for r in kernels.ROWS}
     state = KVState(target, 1, "static", V, capacity=12)
     with torch.inference_mode():
         state.prefill([prompt], PAD)
