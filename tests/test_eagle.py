@@ -14,6 +14,7 @@ from test_generator import exact_baseline_distribution
 from specviz.core.generator import Settings, generate, generate_batch
 from specviz.core.sampling import SamplingParams
 from specviz.models.eagle import EagleHead, HeadCache, HeadConfig
+from specviz.models.loading import load_model
 from specviz.tools import cli, distill
 from specviz.tools.distill import distill_eagle
 from specviz.view import charts
@@ -69,6 +70,49 @@ def test_a_bigger_distill_reuses_the_answers_in_its_data_file(pattern_dirs, tmp_
     assert saved["jobs"][: len(first["jobs"])] == first["jobs"] and len(saved["jobs"]) == 12 * 2  # two temperatures
     for old, kept in zip(first["samples"], saved["samples"], strict=False):
         assert old["ids"] == kept["ids"] and torch.equal(old["features"], kept["features"])
+
+
+def test_feature_data_is_the_targets_own_forward(pattern_dirs, tmp_path, monkeypatch):
+    """Every answer's features and top-k are those of one forward of the target over the answer alone;
+    greedy answers follow its argmax; an answer stops at its end token, and answers that end leave the
+    batch while the others go on (their data kept whole)."""
+    target_dir, _ = pattern_dirs("llama")
+    target, tokenizer = load_model(str(target_dir), torch.device("cpu"), torch.float32)
+    vocab = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
+    stop = word_id(10)  # counting from w0-w7 reaches it within 12 tokens; from w20 and w30 it never does
+    monkeypatch.setattr(distill, "eos_ids_of", lambda *args: {stop})
+    kept_rows = []
+    select = distill.KVState.select
+
+    def spy(state, rows):
+        kept_rows.append(len(rows))
+        return select(state, rows)
+
+    monkeypatch.setattr(distill.KVState, "select", spy)
+    prompts = [" ".join(f"w{k + i}" for i in range(3)) for k in (0, 5, 20, 7, 30, 2)]
+    cfg = dataclasses.replace(tiny_config(target_dir, tmp_path / "head"), new_tokens=12, gen_batch=8)
+    samples = distill.generate_feature_data(target, tokenizer, prompts, cfg, vocab, lambda m: None)
+    assert kept_rows and min(kept_rows) < 8  # rows left a batch before its end
+
+    jobs = [(p, t) for p in prompts for t in cfg.temperatures]
+    ended = 0
+    for (prompt, temperature), s in zip(jobs, samples, strict=True):
+        assert s.ids[: s.start] == distill.encode_prompt(tokenizer, prompt, False)
+        answer = s.ids[s.start :]
+        ended += answer[-1] == stop
+        assert stop not in answer[:-1] and (answer[-1] == stop or len(answer) == cfg.new_tokens)
+        with torch.no_grad():
+            out = target(input_ids=torch.tensor([s.ids]), output_hidden_states=True)
+        torch.testing.assert_close(s.features.float(), out.hidden_states[-1][0, :-1], atol=0.02, rtol=0.02)  # bf16
+        logits = out.logits[0, s.start - 1 : -1, :vocab]  # [T, V]: the target's law for each answer token
+        p = logits.softmax(-1)
+        top_p = p.gather(-1, s.top_ids.long())  # [T, k]: the kept ids are the k likeliest, in order
+        assert torch.all(top_p[:, -1] >= p.topk(cfg.top_k, -1).values[:, -1] - 1e-6)
+        assert torch.all(top_p[:, :-1] >= top_p[:, 1:] - 1e-6)
+        torch.testing.assert_close(s.top_probs.float(), top_p / top_p.sum(-1, keepdim=True), atol=2e-3, rtol=0)
+        if temperature == 0:
+            assert answer == logits.argmax(-1).tolist()
+    assert 0 < ended < len(samples)
 
 
 @pytest.mark.slow

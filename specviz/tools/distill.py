@@ -139,12 +139,22 @@ class FeatureSample:
     top_probs: torch.Tensor  # [L - P, k] float16, renormalised over the k
 
 
+def _close_segment(steps: list[tuple[torch.Tensor, ...]], live: list[int], parts: list[list]) -> None:
+    """Per-step tensors [live rows, ...] of a batch's segment -> row r's [T, ...] appended to parts[live[r]]."""
+    if steps:
+        stacked = [torch.stack(x, 1) for x in zip(*steps, strict=True)]
+        for r, row in enumerate(live):
+            parts[row].append(tuple(x[r] for x in stacked))
+        steps.clear()
+
+
 @torch.inference_mode()
 def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillConfig, vocab_size: int,
                           progress: Progress) -> list[FeatureSample]:
     """The target answers every prompt once per temperature in cfg.temperatures (0: greedy), in
     batches through specviz's own KV state, keeping at every position the hidden state a verify
     pass would hand a drafter (same forward, same numerics) and its top-k next-token probabilities.
+    Answers that end leave the batch once a quarter of it has (their rows' work is no longer done).
     Samples come back grouped by prompt: all answers to prompt i before those to prompt i + 1."""
     device = next(target.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -158,42 +168,50 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
         batch = jobs[b : b + cfg.gen_batch]
         rows = [encoded[i] for i, _ in batch]
         temps = torch.tensor([t for _, t in batch], device=device)
-        sampling = temps > 0
         gen = torch.Generator(device=device).manual_seed(cfg.seed + b)
         state = KVState(target, len(rows), "static", vocab_size, max(map(len, rows)) + cfg.new_tokens + 2)
         prefill = state.prefill(rows, pad, hidden=True).hidden  # [B, w, H], right-aligned
         last = torch.tensor([r[-1] for r in rows], device=device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=device)
-        feats, tops_ids, tops_probs, tokens = [], [], [], []
-        for _ in range(cfg.new_tokens):
+        live = list(range(len(rows)))  # the batch rows still answering, in the state's row order
+        parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in rows]  # per batch row: its segments
+        steps: list[tuple[torch.Tensor, ...]] = []  # this segment's (feature, top ids, top probs, token) per step
+        for t in range(cfg.new_tokens):
             step = state.forward(last[:, None], ~done[:, None], hidden=True)
-            logits = step.logits[:, 0]  # [B, V]
-            top = logits.softmax(-1).topk(cfg.top_k, dim=-1)
-            feats.append(step.hidden[:, 0].to(torch.bfloat16))
-            tops_ids.append(top.indices.int())
-            tops_probs.append((top.values / top.values.sum(-1, keepdim=True)).half())
-            nxt = logits.argmax(-1)
+            logits = step.logits[:, 0]  # [B, V] float32
+            # the top k, sorted; softmax over their logits = the full softmax's top k renormalised over the k
+            top = logits.topk(cfg.top_k, dim=-1)
+            nxt = top.indices[:, 0].clone()  # greedy
+            sampling = temps > 0
             if bool(sampling.any()):  # inverse CDF: torch.multinomial costs 10x more at this width
                 cdf = (logits[sampling] / temps[sampling, None]).softmax(-1).cumsum(-1)
                 u = torch.rand(len(cdf), 1, generator=gen, device=device) * cdf[:, -1:]
                 nxt[sampling] = torch.searchsorted(cdf, u)[:, 0].clamp_max(logits.shape[-1] - 1)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            tokens.append(nxt)
+            steps.append((step.hidden[:, 0].to(torch.bfloat16), top.indices.int(), top.values.softmax(-1).half(), nxt))
             done |= torch.isin(nxt, eos)
             last = nxt
-            if bool(done.all()):
+            finished = int(done.sum())
+            if finished == len(live):
                 break
-        feats_t, ids_t, probs_t = torch.stack(feats, 1), torch.stack(tops_ids, 1), torch.stack(tops_probs, 1)
-        tokens_t = torch.stack(tokens, 1).tolist()  # [B, T]
+            if 4 * finished >= len(live) and t + 1 < cfg.new_tokens:  # a quarter answered: they leave the batch
+                _close_segment(steps, live, parts)
+                keep = (~done).nonzero()[:, 0]
+                state.select(keep.tolist())
+                live = [live[i] for i in keep.tolist()]
+                last, done, temps = last[keep], done[keep], temps[keep]
+        _close_segment(steps, live, parts)
         width = prefill.shape[1]
+        eos_ids = set(eos.tolist())
         for row, (job, prompt_ids) in enumerate(zip(batch, rows, strict=True)):
-            gen_ids = tokens_t[row]
-            n = next((i + 1 for i, t in enumerate(gen_ids) if t in eos.tolist()), len(gen_ids))
+            feats, ids, probs, gen_ids = (torch.cat(x) for x in zip(*parts[row], strict=True))
+            gen_ids = gen_ids.tolist()
+            n = next((i + 1 for i, t in enumerate(gen_ids) if t in eos_ids), len(gen_ids))
             prompt_feats = prefill[row, width - (len(prompt_ids) - 1) :].to(torch.bfloat16)  # positions 0..P-2
             # copies in host memory: the batch's tensors are freed, and a data file made on a GPU loads anywhere
             by_job[job] = FeatureSample(prompt_ids + gen_ids[:n], len(prompt_ids),
-                                        torch.cat([prompt_feats, feats_t[row, :n]]).to("cpu", copy=True),
-                                        ids_t[row, :n].to("cpu", copy=True), probs_t[row, :n].to("cpu", copy=True))
+                                        torch.cat([prompt_feats, feats[:n]]).to("cpu", copy=True),
+                                        ids[:n].to("cpu", copy=True), probs[:n].to("cpu", copy=True))
             n_tok += n
         rate = n_tok / (time.perf_counter() - start_time)
         progress(f"data: {min(b + cfg.gen_batch, len(jobs))}/{len(jobs)} answers, {n_tok} target tokens "
