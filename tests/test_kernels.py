@@ -815,8 +815,8 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
 def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fresh_tables, monkeypatch):
     """Where one product's fastest path at a row count has no C function, the layers run in one call through
     each product's fastest path that has one only if that forward timed faster than op by op: timed once, at
-    the kernel table's row count for it, kept in the table's file and read back by a later start (which times
-    nothing)."""
+    the kernel table's row count for it, kept in the table's file beside what another process stored there, and
+    read back by a later start (which times nothing)."""
     from transformers import AutoModelForCausalLM
 
     if "avx2" in kernels.unavailable(torch.float32):
@@ -831,6 +831,9 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
     monkeypatch.setattr(LeanLlama, "forward", lambda self, *a, **k: timed.append(a[0].shape) or forward(self, *a, **k))
     with torch.inference_mode():
         assert lean.native_weights(1) is not None and not timed  # every fastest path has a C function
+        other = copy.deepcopy(kernels.table(torch.float32))  # another process stores its own model's timing meanwhile
+        other.calls = {"another model": {"4": {"one call": 1.0, "per op": 2.0}}}
+        other.save()
         plan = lean.native_weights(2)
     ms = kernels.table(torch.float32).calls[lean.calls_key()]["2"]
     assert set(ms) == {"one call", "per op"} and all(t > 0 for t in ms.values())
@@ -843,3 +846,4 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
     with torch.inference_mode():
         assert (lean.native_weights(2) is not None) == (plan is not None) and not timed
     assert kernels.table(torch.float32).calls[lean.calls_key()]["2"] == ms
+    assert kernels.table(torch.float32).calls["another model"] == other.calls["another model"]  # kept, not overwritten

@@ -461,10 +461,8 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
             continue
         with locked(_table_file(dtype), say):  # another process may have measured meanwhile: read what it stored
             t = table(dtype, retune)
-            if not retune and (stored := _stored(t.machine, Path(t.file))):
-                t.times, t.busy = {**stored.times, **t.times}, {**stored.busy, **t.busy}
-                t.calls = {**stored.calls, **t.calls}
-                t.skipped = t.skipped or stored.skipped
+            if not retune:
+                _add_stored(t)
             missing = {s: ws for s, ws in shapes.items() if not t.settled(s)}
             if not missing:
                 continue
@@ -489,6 +487,24 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
                     + (f"; timed while {contention.took(share)}, so the next start times it again"
                        if share is not None and share > contention.BUSY else ""))
             t.save()
+
+
+def _add_stored(t: KernelTable) -> None:
+    """Add to t what another process stored in its file meanwhile (this process's own timings win)."""
+    if stored := _stored(t.machine, Path(t.file)):
+        t.times, t.busy = {**stored.times, **t.times}, {**stored.busy, **t.busy}
+        t.calls = {key: {**stored.calls.get(key, {}), **t.calls.get(key, {})} for key in {**stored.calls, **t.calls}}
+        t.skipped = t.skipped or stored.skipped
+
+
+def keep_call(dtype: torch.dtype, key: str, rows: int, ms: dict[str, float]) -> None:
+    """Store a forward's one-call and op-by-op timing (leanllama.LeanLlama.one_call_pays) in this machine's table,
+    under the file's lock and with what other processes stored meanwhile."""
+    with locked(_table_file(dtype)):
+        t = table(dtype)
+        _add_stored(t)
+        t.calls.setdefault(key, {})[str(rows)] = ms
+        t.save()
 
 
 def _again(say: Progress, shape: str, share: float) -> None:
