@@ -307,7 +307,7 @@ class KernelTable:
         timed = sorted(int(r) for r in by_rows)
 
         def fastest(rows: int, numbers: str | None = None) -> str | None:
-            at = next((r for r in timed if r >= rows), timed[-1])
+            at = timed_rows(rows, timed)
             fit = per_rows_ok and rows <= timed[-1]
             ms = {p: t for p, t in by_rows[str(at)].items()
                   if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)
@@ -520,9 +520,10 @@ def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool =
     return table(weight.dtype).best(key, rows, lossy=lossy, in_call=weight.dtype if in_call else None)
 
 
-def timed_rows(rows: int) -> int:
-    """The timed row count whose timings stand for `rows` rows (as in KernelTable.best)."""
-    return next((r for r in ROWS if r >= rows), ROWS[-1])
+def timed_rows(rows: int, timed: tuple[int, ...] | list[int] = ROWS) -> int:
+    """Of the timed row counts (ascending), the one whose timings stand for `rows` rows: the nearest at or above
+    it, else the largest."""
+    return next((r for r in timed if r >= rows), timed[-1])
 
 
 # --- the dtype `auto` picks on a CPU ---------------------------------------------------------------

@@ -168,6 +168,7 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
         batch = jobs[b : b + cfg.gen_batch]
         rows = [encoded[i] for i, _ in batch]
         temps = torch.tensor([t for _, t in batch], device=device)
+        sampling = temps > 0
         gen = torch.Generator(device=device).manual_seed(cfg.seed + b)
         state = KVState(target, len(rows), "static", vocab_size, max(map(len, rows)) + cfg.new_tokens + 2)
         prefill = state.prefill(rows, pad, hidden=True).hidden  # [B, w, H], right-aligned
@@ -182,7 +183,6 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
             # the top k, sorted; softmax over their logits = the full softmax's top k renormalised over the k
             top = logits.topk(cfg.top_k, dim=-1)
             nxt = top.indices[:, 0].clone()  # greedy
-            sampling = temps > 0
             if bool(sampling.any()):  # inverse CDF: torch.multinomial costs 10x more at this width
                 cdf = (logits[sampling] / temps[sampling, None]).softmax(-1).cumsum(-1)
                 u = torch.rand(len(cdf), 1, generator=gen, device=device) * cdf[:, -1:]
@@ -199,7 +199,7 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
                 keep = (~done).nonzero()[:, 0]
                 state.select(keep.tolist())
                 live = [live[i] for i in keep.tolist()]
-                last, done, temps = last[keep], done[keep], temps[keep]
+                last, done, temps, sampling = last[keep], done[keep], temps[keep], sampling[keep]
         _close_segment(steps, live, parts)
         width = prefill.shape[1]
         eos_ids = set(eos.tolist())
