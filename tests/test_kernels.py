@@ -151,6 +151,29 @@ def test_the_choice_is_the_fastest_at_the_nearest_timed_rows():
     assert lossy.best("8x8", 1) == "onednn" and lossy.best("8x8", 1, lossy=True) == "int8"  # int8: drafters only
 
 
+def test_a_bfloat16_weight_keeps_one_family_of_bits_at_every_row_count():
+    """A bf16 product takes the family of row-invariant kernels fastest over all timed row counts, even at a row
+    count where another path is faster alone, so a verify's rows round as the one-token steps do; with no family
+    at every row count, and in float32, the fastest path of each."""
+    times = {"1": {"linear": 0.20, "avx512-dot": 0.091, "amx": 0.092, "avx512": 0.12},  # CPU C's qkv at one row
+             "4": {"linear": 0.30, "avx512-dot": 0.125, "amx": 0.081, "avx512": 0.128},
+             "16": {"linear": 0.25, "onednn16": 0.22, "avx512-dot": 0.255, "amx": 0.123}}
+    t = kernels.KernelTable({}, "bfloat16", {"960x576": times})
+    assert t.family("960x576") == "amx"
+    assert [t.best("960x576", r) for r in (1, 3, 16, 40)] == ["amx"] * 4
+    times["1"]["amx"] = 9.0  # amx dear enough at one row: the pair kernel's family wins the sum
+    assert {t.best("960x576", r) for r in (1, 3, 16)} == {"avx512-dot"}
+    del times["16"]["avx512-dot"], times["16"]["amx"]  # no family timed at 16 rows: each row count's fastest
+    assert t.family("960x576") == ""
+    assert [t.best("960x576", r) for r in (1, 4, 16)] == ["avx512-dot", "amx", "onednn16"]
+    times["16"].update({"avx512-dot": 0.255, "amx": 0.123})
+    float32 = kernels.KernelTable({}, "float32", {"960x576": times})  # float32: each row count's fastest
+    assert float32.family("960x576") == "pairs" and float32.best("960x576", 4) == "amx"
+    drafter = {"1": {"avx512-dot": 0.09, "amx": 0.1}, "4": {"avx512-dot": 0.2, "amx": 0.1}}
+    assert [kernels.KernelTable({}, "bfloat16", {"s": drafter}).best("s", r, lossy=True) for r in (1, 4)] == \
+        ["amx", "amx"]  # a drafter's product too: a batch row drafts as its prompt alone
+
+
 def test_a_drafters_weight_keeps_one_kind_of_numbers_at_every_row_count():
     """Which lossy kind a drafter's weight takes is decided at the fewest rows: the same row then drafts
     alike alone and in a batch (where its product has more rows); within the kind, the fastest path."""
@@ -391,9 +414,13 @@ def test_every_bfloat16_path_gives_transformers_logits_within_bfloat16(random_pa
     target.__dict__.pop("_specviz_lean", None)  # the copied float64 one
     t = kernels.table(torch.bfloat16)
     lean = LeanLlama.of(target)
-    for lin in lean.linears():  # a table as tune() makes it: the paths this CPU runs (a layer plan may ask another)
-        t.times[kernels.shape_key(lin.weight)] = {str(r): {p: 1.0 if p == path else 2.0 for p in kernels.PATHS
-                                                           if p not in unavailable} for r in kernels.ROWS}
+    # a table as tune() makes it: the paths this CPU runs (a layer plan may ask another), but no other family of
+    # bits (in bf16 a product keeps to a family where one is timed at every row count, however slow)
+    family = ("", kernels.PATHS[path].bits)
+    runs = [p for p in kernels.PATHS if p not in unavailable and kernels.PATHS[p].bits in family]
+    for lin in lean.linears():
+        t.times[kernels.shape_key(lin.weight)] = {str(r): {p: 1.0 if p == path else 2.0 for p in runs}
+                                                  for r in kernels.ROWS}
     state = KVState(target, 1, "static", V, capacity=12)
     with torch.inference_mode():
         state.prefill([prompt], PAD)

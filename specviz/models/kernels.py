@@ -14,7 +14,10 @@ kept. A shape timed while other programs took much of the CPU time (contention.p
 and one still timed busy is marked in the table and timed again by the next start.
 
 A path is one registry line in PATHS: how to pack a weight (once, or once per row count) and how
-to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for its rows.
+to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for its rows. In bfloat16
+a product keeps to one family of row-invariant kernels (`bits`) at every row count, the family fastest
+over them all, so a verify's rows round as the one-token steps do (greedy speculation decodes plain
+decoding's tokens bit for bit) and a batch row as its prompt alone (ONE_FAMILY says why not in float32).
 
 Two paths are lossy: "int8" keeps weights as 8-bit integers per output row and quantizes each input
 row to 8 bits at run time; "avx2-bf16" rounds float32 weights to bfloat16 (inputs and sums stay
@@ -276,6 +279,13 @@ def shape_key(weight: torch.Tensor) -> str:
     return f"{weight.shape[0]}x{weight.shape[1]}"  # out x in
 
 
+# the model dtypes whose products keep to one family of bits at every row count (KernelTable.family): their
+# outputs keep 8 bits of mantissa, so a step's and a verify's roundings of one sum part greedy texts at near ties
+# (README, "Exactness"). In float32 they part in the last of 24 bits, no greedy text has parted over it on three
+# CPUs, and one family can cost speed (CPU C's float32 output head at one row is fastest through MKL's packing).
+ONE_FAMILY = ("bfloat16", "float16")
+
+
 @dataclass
 class KernelTable:
     """ms per call, by shape ("out x in"), rows and path; the fastest is the choice."""
@@ -299,24 +309,43 @@ class KernelTable:
         """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
         above it (above the largest, the largest's fastest that needs no copy per row count); a lossy
         path only where `lossy` (a drafter's product), and then of the kind of numbers fastest at the
-        fewest timed rows, whatever `rows` is; with in_call, only paths native.layers runs for that model
-        dtype ("linear" if none)."""
+        fewest timed rows, whatever `rows` is; in a table of ONE_FAMILY, of the `family` of bits the
+        shape has, so a row rounds alike at every row count; with in_call, only paths native.layers runs
+        for that model dtype ("linear" if none)."""
         by_rows = self.times.get(shape)
         if not by_rows:
             return "linear"
         timed = sorted(int(r) for r in by_rows)
 
-        def fastest(rows: int, numbers: str | None = None) -> str | None:
+        def fastest(rows: int, numbers: str | None = None, bits: str | None = None) -> str | None:
             at = timed_rows(rows, timed)
             fit = per_rows_ok and rows <= timed[-1]
             ms = {p: t for p, t in by_rows[str(at)].items()
                   if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)
-                  and numbers in (None, PATHS[p].numbers)
+                  and numbers in (None, PATHS[p].numbers) and bits in (None, PATHS[p].bits)
                   and (in_call is None or (PATHS[p].layers or (None,))[0] == in_call)}
             return min(ms, key=ms.get) if ms else None
 
-        kind = PATHS[fastest(timed[0]) or "linear"].numbers if lossy else None
-        return fastest(rows, kind) or fastest(rows) or "linear"
+        kind = PATHS[fastest(timed[0]) or "linear"].numbers if lossy else ""
+        family = self.family(shape, kind) if self.dtype in ONE_FAMILY else ""
+        return fastest(rows, kind, family or None) or fastest(rows, kind) or fastest(rows) or "linear"
+
+    def family(self, shape: str, numbers: str = "") -> str:
+        """Of the paths with this kind of numbers (the exact paths': ""), the `bits` whose paths take the least
+        time summed over the timed row counts, each row count through its fastest of them, among the families
+        with a path at every one ("" if none). A product that keeps to it gives a row the same bits at every row
+        count: a verify's rows those of the one-token steps (so greedy speculation decodes plain decoding's
+        tokens exactly), a batch row those of its prompt alone."""
+        sums: dict[str, list[float]] = {}
+        for ms in self.times.get(shape, {}).values():
+            best_of: dict[str, float] = {}
+            for p, t in ms.items():
+                if p in PATHS and PATHS[p].bits and PATHS[p].numbers == numbers:
+                    best_of[PATHS[p].bits] = min(t, best_of.get(PATHS[p].bits, t))
+            for bits, t in best_of.items():
+                sums.setdefault(bits, []).append(t)
+        whole = {bits: sum(ts) for bits, ts in sums.items() if len(ts) == len(self.times[shape])}
+        return min(whole, key=whole.get) if whole else ""
 
     def save(self) -> None:
         path = Path(self.file)
