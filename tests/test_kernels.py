@@ -598,7 +598,7 @@ def test_without_avx2_our_kernel_is_skipped_and_decoding_runs(pattern_dirs, tmp_
                           "float32"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     verdict, why = out.stdout.strip().splitlines()[-2:]
-    cls, reason, skipped, same, families = verdict.split(" | ")
+    _, _, skipped, same, _ = verdict.split(" | ")
     assert "'avx2'" in skipped and same == "True"
     assert "needs AVX2 and FMA" in why
 

@@ -328,7 +328,7 @@ class KernelTable:
 
         kind = PATHS[fastest(timed[0]) or "linear"].numbers if lossy else ""
         family = self.family(shape, kind) if self.dtype in ONE_FAMILY else ""
-        return fastest(rows, kind, family or None) or fastest(rows, kind) or fastest(rows) or "linear"
+        return (family and fastest(rows, kind, family)) or fastest(rows, kind) or fastest(rows) or "linear"
 
     def family(self, shape: str, numbers: str = "") -> str:
         """Of the paths with this kind of numbers (the exact paths': ""), the `bits` whose paths take the least
