@@ -353,31 +353,32 @@ amx_group(const uint16_t *x, const uint16_t *wg, const float *bias, uint16_t *y,
             store16_bf16(_mm512_loadu_ps(&out[r][c]), bias, y + (size_t)r * n, n, n0 + c);
 }
 
-/* The AMX product with the signature of specviz_layers' products: x [m, k] and y [m, n] bfloat16 (k even). */
+/* The AMX product with the signature of specviz_layers' products: x [m, k] and y [m, n] bfloat16 (k even).
+   Above 16 rows, each group's weights are read from memory once and multiplied by every block of 16 rows while
+   they sit in L2 (blocks outer, the weights were streamed once a block: 8 times at 128 rows, a batch's or a
+   prompt's). The rows are zero-padded to whole blocks, so one tile configuration serves every block; the padding
+   rows' sums are not stored, and a row's own sums are the same whatever rows share its tile. */
 __attribute__((TARGET_AMX)) void specviz_gemm_amx(const void *x, const void *w, const float *bias, void *y, int m,
                                                   int n, int k)
 {
-    const int groups = (n + GROUP - 1) / GROUP, kp = (k + 31) / 32 * 32;
+    const int groups = (n + GROUP - 1) / GROUP, kp = (k + 31) / 32 * 32, mp = m > 16 ? (m + 15) / 16 * 16 : m;
     uint16_t *padded = NULL;
-    if (kp != k) { /* the rows zero-padded to the packed k */
-        if (!(padded = calloc((size_t)m * kp, sizeof *padded)))
+    if (kp != k || mp != m) { /* the rows zero-padded to the packed k and to whole blocks of 16 */
+        if (!(padded = calloc((size_t)mp * kp, sizeof *padded)))
             return;
         for (int r = 0; r < m; r++)
             memcpy(padded + (size_t)r * kp, (const uint16_t *)x + (size_t)r * k, (size_t)k * sizeof *padded);
         x = padded;
     }
-    for (int m0 = 0; m0 < m; m0 += 16) {
-        const int rows = m - m0 < 16 ? m - m0 : 16;
-        const uint16_t *xb = (const uint16_t *)x + (size_t)m0 * kp;
-        uint16_t *yb = (uint16_t *)y + (size_t)m0 * n;
 #pragma omp parallel
-        {
-            amx_configure(rows);
+    {
+        amx_configure(mp < 16 ? mp : 16);
 #pragma omp for schedule(static)
-            for (int g = 0; g < groups; g++)
-                amx_group(xb, (const uint16_t *)w + (size_t)g * kp * GROUP, bias, yb, rows, n, g * GROUP, kp);
-            _tile_release();
-        }
+        for (int g = 0; g < groups; g++)
+            for (int m0 = 0; m0 < m; m0 += 16)
+                amx_group((const uint16_t *)x + (size_t)m0 * kp, (const uint16_t *)w + (size_t)g * kp * GROUP, bias,
+                          (uint16_t *)y + (size_t)m0 * n, m - m0 < 16 ? m - m0 : 16, n, g * GROUP, kp);
+        _tile_release();
     }
     free(padded);
 }
