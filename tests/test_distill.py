@@ -18,10 +18,17 @@ def test_training_prompts_hold_out_the_benchmark():
     assert not any(h in p.lower() for p in prompts for h in held_out)
 
 
-def test_the_first_ring_of_prompts_comes_first():
-    first = {TEMPLATES[i].format(t=TOPICS[j]) for i in range(RINGS[0][0]) for j in range(RINGS[0][1])}
-    everything = training_prompts(100_000)
-    assert len(everything) > len(first) and set(everything[: len(first)]) == first
+def test_each_ring_of_prompts_comes_before_the_next():
+    """A ring added later leaves the prompts before it where they were: a head's report names its prompt count, and
+    `distill --first-prompt N` starts past the prompts an earlier head was trained on."""
+    held_out = [p.lower() for ps in BENCHMARK_PROMPTS.values() for p in ps]
+    everything, end = training_prompts(100_000), 0
+    for templates, topics in RINGS:
+        upto = {TEMPLATES[i].format(t=TOPICS[j]) for i in range(templates) for j in range(topics)}
+        upto = {p for p in upto if not any(h in p.lower() or p.lower() in h for h in held_out)}
+        assert len(upto) > end and set(everything[: len(upto)]) == upto
+        end = len(upto)
+    assert end == len(everything) and RINGS[-1] == (len(TEMPLATES), len(TOPICS))
 
 
 @pytest.mark.slow

@@ -72,6 +72,33 @@ def test_a_bigger_distill_reuses_the_answers_in_its_data_file(pattern_dirs, tmp_
         assert old["ids"] == kept["ids"] and torch.equal(old["features"], kept["features"])
 
 
+@pytest.mark.slow
+def test_init_goes_on_training_a_head_from_its_weights_and_vocabulary(pattern_dirs, eagle_dirs, tmp_path):
+    """distill --init: the earlier head's weights and draft vocabulary are where training starts (with a learning
+    rate of 0 the saved head is the earlier one, bit for bit, though this run's data would pick another vocabulary),
+    on the prompts after --first-prompt."""
+    from safetensors.torch import load_file
+
+    target, _ = pattern_dirs("llama")
+    _, earlier = eagle_dirs("llama")
+    (tmp_path / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(36)))
+    cfg = dataclasses.replace(tiny_config(target, tmp_path / "head"), init=str(earlier), first_prompt=30, prompts=6,
+                              draft_vocab=DRAFT_VOCAB - 7, max_steps=2, lr=0.0)
+    assert distill.load_prompts(cfg) == [f"w{k} w{k + 1} w{k + 2}" for k in range(30, 36)]
+    report = distill_eagle(cfg, progress=lambda m: None)
+    saved, before = (json.loads((d / "eagle_config.json").read_text()) for d in (tmp_path / "head", earlier))
+    assert saved["draft_vocab"] == before["draft_vocab"] and report["data"]["draft_vocab"] == DRAFT_VOCAB
+    assert saved["origin"].startswith(before["origin"] + "; then ")
+    new, old = (load_file(str(d / "eagle_head.safetensors")) for d in (tmp_path / "head", earlier))
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in old)
+    fresh = dataclasses.replace(cfg, init=None, out=str(tmp_path / "fresh"))
+    distill_eagle(fresh, progress=lambda m: None)  # without --init: a new head, this data's own vocabulary
+    assert len(json.loads((tmp_path / "fresh" / "eagle_config.json").read_text())["draft_vocab"]) == DRAFT_VOCAB - 7
+    # refused before any model work: a draft model cannot go on from a head
+    assert cli.main(["distill", "--target", "/nowhere", "--out", str(tmp_path / "x"), "--init", str(earlier)]) == 2
+    assert not (tmp_path / "x").exists()
+
+
 def test_feature_data_is_the_targets_own_forward(pattern_dirs, tmp_path, monkeypatch):
     """Every answer's features and top-k are those of one forward of the target over the answer alone;
     greedy answers follow its argmax; an answer stops at its end token, and answers that end leave the

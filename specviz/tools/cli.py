@@ -379,7 +379,7 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--target", required=True, help="hub id, local directory, or 'offline'")
     d.add_argument("--out", required=True, help="directory for the draft or head (safetensors, config, report)")
     defaults = DistillConfig("", "")
-    for name in ["prompts", "new_tokens", "gen_batch", "top_k", "layers", "hidden", "heads", "kv_heads",
+    for name in ["prompts", "first_prompt", "new_tokens", "gen_batch", "top_k", "layers", "hidden", "heads", "kv_heads",
                  "intermediate", "max_steps", "batch", "seed", "draft_vocab", "ttt_steps", "head_intermediate"]:
         d.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ["gen_temperature", "train_minutes", "lr", "holdout"]:
@@ -388,6 +388,8 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
                    help="eagle: answer each prompt once at each of these temperatures (0: greedy)")
     d.add_argument("--data-file", help="eagle: reuse the generated data from this file, or save it there")
     d.add_argument("--prompts-file", help="one training prompt per line (default: the built-in set)")
+    d.add_argument("--init", metavar="DIR", help="eagle: go on training this head on the new data (its draft "
+                   "vocabulary kept), e.g. with --first-prompt past the prompts it was trained on")
     d.add_argument("--no-chat-template", action="store_true")
     d.add_argument("--device", default="auto")
 
@@ -396,6 +398,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from ..models.loading import OFFLINE_TARGET
     from .distill import DistillConfig, distill, distill_eagle
 
+    if args.init and args.kind != "eagle":
+        raise ValueError("--init goes on training an EAGLE head: it needs --kind eagle")
+    if args.first_prompt < 0:
+        raise ValueError(f"--first-prompt must be at least 0, got {args.first_prompt}")
     fields = {k: v for k, v in vars(args).items() if k in DistillConfig.__dataclass_fields__}
     fields["target"] = OFFLINE_TARGET if args.target == "offline" else args.target
     fields["chat_template"] = not args.no_chat_template

@@ -38,6 +38,7 @@ class DistillConfig:
     target: str
     out: str
     prompts: int = 512  # training prompts (a share is held out for the report)
+    first_prompt: int = 0  # skip this many of the prompts first (those an earlier head or draft was trained on)
     prompts_file: str | None = None  # one prompt per line, instead of the built-in set
     chat_template: bool = True
     new_tokens: int = 96  # continuation length per prompt
@@ -61,6 +62,7 @@ class DistillConfig:
     ttt_steps: int = 3  # eagle: draft positions unrolled in training (training-time test)
     head_intermediate: int = 1536  # eagle: the head's MLP width
     data_file: str | None = None  # eagle: load the generated data from here, or save it here
+    init: str | None = None  # eagle: go on training this head (its shape and draft vocabulary kept), not a new one
 
 
 @dataclass
@@ -74,8 +76,8 @@ class Sample:
 def load_prompts(cfg: DistillConfig) -> list[str]:
     if cfg.prompts_file:
         lines = [line.strip() for line in Path(cfg.prompts_file).read_text(encoding="utf-8").splitlines()]
-        return [line for line in lines if line][: cfg.prompts]
-    return training_prompts(cfg.prompts, cfg.seed)
+        return [line for line in lines if line][cfg.first_prompt : cfg.first_prompt + cfg.prompts]
+    return training_prompts(cfg.first_prompt + cfg.prompts, cfg.seed)[cfg.first_prompt :]
 
 
 @torch.inference_mode()
@@ -471,21 +473,29 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
     n_held = max(1, int(len(prompts) * cfg.holdout)) * per_prompt
     held_out, train_set = samples[:n_held], samples[n_held:]
 
-    draft_vocab = draft_vocabulary(train_set, cfg.draft_vocab, vocab_size)
+    train_tokens = sum(len(s.top_ids) for s in train_set)
+    if cfg.init:  # the earlier head's weights, in float32 to train, and its draft vocabulary
+        earlier = EagleHead.load(cfg.init, target, vocab_size)
+        config = earlier.config
+        config.origin += f"; then {train_tokens} tokens more (distill --init)"
+        head = EagleHead(config).to(device)
+        head.load_state_dict({k: v.float() for k, v in earlier.state_dict().items()})
+        head.bind(target, vocab_size)
+    else:
+        draft_vocab = draft_vocabulary(train_set, cfg.draft_vocab, vocab_size)
+        config = HeadConfig.for_target(target, draft_vocab, vocab_size, cfg.head_intermediate, cfg.target)
+        config.origin = f"specviz distill --kind eagle: {train_tokens} tokens of the target's own answers"
+        head = EagleHead(config).to(device).bind(target, vocab_size)
+        final_norm = getattr(getattr(target, "model", None), "norm", None)  # Llama-family: start at the target's scale
+        if isinstance(getattr(final_norm, "weight", None), torch.Tensor) and final_norm.weight.shape == (config.width,):
+            with torch.no_grad():
+                head.final_norm.copy_(final_norm.weight.float())
+    draft_vocab = config.draft_vocab
     to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
     to_draft[torch.tensor(draft_vocab)] = torch.arange(len(draft_vocab))
     held_tokens = torch.cat([torch.tensor(s.ids[s.start :]) for s in held_out])
     coverage = float((to_draft[held_tokens.clamp_max(vocab_size - 1)] >= 0).float().mean())
     progress(f"draft vocabulary: {len(draft_vocab)} ids cover {coverage:.1%} of the held-out answers' tokens")
-
-    config = HeadConfig.for_target(target, draft_vocab, vocab_size, cfg.head_intermediate, cfg.target)
-    train_tokens = sum(len(s.top_ids) for s in train_set)
-    config.origin = f"specviz distill --kind eagle: {train_tokens} tokens of the target's own answers"
-    head = EagleHead(config).to(device).bind(target, vocab_size)
-    final_norm = getattr(getattr(target, "model", None), "norm", None)  # Llama-family: start at the target's scale
-    if isinstance(getattr(final_norm, "weight", None), torch.Tensor) and final_norm.weight.shape == (config.width,):
-        with torch.no_grad():
-            head.final_norm.copy_(final_norm.weight.float())
     head.embed_weight, head.out_weight = head.embed_weight.float(), head.out_weight.float()  # frozen, fp32 maths
     del target
     fit = train_eagle(head, train_set, cfg, to_draft, device, progress)

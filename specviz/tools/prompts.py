@@ -82,6 +82,33 @@ TEMPLATES = [
     "Tell me a joke about {t}.",
     "What are the ethical questions around {t}?",
     "Write a short mystery story involving {t}.",
+    # third ring: the kinds of prompt the benchmark has (bare phrases, advice, code with a task or a snippet, edits of
+    # given text), none of them a benchmark prompt
+    "{t}",
+    "A song about {t}",
+    "Notes on {t}",
+    "The story of {t}",
+    "Can you give me some advice about {t}?",
+    "I'm nervous about {t}. What should I do?",
+    "What is a simple way to get into {t} on a budget?",
+    "What questions should I ask an expert on {t}?",
+    "Write a Python function that takes a list of dictionaries about {t} and returns them sorted by name.",
+    "Write a JavaScript function that counts the words in a description of {t}.",
+    "Write a Python function that checks whether a sentence mentions {t}, ignoring case.",
+    "Explain what this code does:\n\nfacts = {{'topic': '{t}', 'count': 3}}\nfor key, value in facts.items():\n"
+    "    print(key, value)",
+    "Fix the bug in this code:\n\ndef describe(topic):\n    return 'All about ' + topic.upper(\n\n"
+    "print(describe('{t}'))",
+    "Add comments to this code:\n\ndef count_mentions(texts):\n    return sum('{t}' in text for text in texts)",
+    "Rename the function `f` to `describe` in this code:\n\ndef f(x):\n    return 'This is about ' + x\n\n"
+    "print(f('{t}'))",
+    "Rewrite this sentence to sound more friendly: attendance at the talk on {t} is mandatory for all staff.",
+    "Correct the spelling mistakes in this sentence: I have allways wanted to lern more about {t}, but I never had "
+    "teh time.",
+    "Make this paragraph shorter: {t} is a subject that many people find interesting, and there are many reasons "
+    "why people find it interesting, which we will now discuss one by one.",
+    "Turn these notes into a short paragraph: {t}; why it matters; one surprising fact; where to learn more.",
+    "Reply to this message from a friend: hey, do you know anything about {t}? I have to give a talk on it.",
 ]
 
 TOPICS = [
@@ -113,8 +140,8 @@ TOPICS = [
 ]
 
 
-# (templates, topics) each ring spans: ring 2 is TEMPLATES x TOPICS less ring 1
-RINGS = ((32, 95), (len(TEMPLATES), len(TOPICS)))
+# (templates, topics) each ring spans: ring 2 is the first 52 templates x TOPICS less ring 1, ring 3 the rest
+RINGS = ((32, 95), (52, len(TOPICS)), (len(TEMPLATES), len(TOPICS)))
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:
