@@ -1,12 +1,13 @@
 """`distill` end to end on a tiny target: data from the target, a draft that loads and pairs."""
 
+import hashlib
 import json
 
 import pytest
 from conftest import words
 
 from specviz.core.generator import Settings, generate
-from specviz.models.loading import load_pair
+from specviz.models.loading import SHIPPED_HEAD, load_pair
 from specviz.tools import cli
 from specviz.tools.prompts import BENCHMARK_PROMPTS, RINGS, TEMPLATES, TOPICS, training_prompts
 
@@ -29,6 +30,9 @@ def test_each_ring_of_prompts_comes_before_the_next():
         assert len(upto) > end and set(everything[: len(upto)]) == upto
         end = len(upto)
     assert end == len(everything) and RINGS[-1] == (len(TEMPLATES), len(TOPICS))
+    # the shipped head's 8,060 prompts (its distill_report.json), as they were when it was made
+    shipped = json.loads((SHIPPED_HEAD / "distill_report.json").read_text())["config"]["prompts"]
+    assert hashlib.sha256("\n".join(everything[:shipped]).encode()).hexdigest()[:16] == "ca7ae1566862b17a"
 
 
 @pytest.mark.slow
