@@ -474,13 +474,10 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
     held_out, train_set = samples[:n_held], samples[n_held:]
 
     train_tokens = sum(len(s.top_ids) for s in train_set)
-    if cfg.init:  # the earlier head's weights, in float32 to train, and its draft vocabulary
-        earlier = EagleHead.load(cfg.init, target, vocab_size)
-        config = earlier.config
+    if cfg.init:  # the earlier head, bound to this target, in float32 to train; its draft vocabulary kept
+        head = EagleHead.load(cfg.init, target, vocab_size).float().requires_grad_(True)
+        config = head.config
         config.origin += f"; then {train_tokens} tokens more (distill --init)"
-        head = EagleHead(config).to(device)
-        head.load_state_dict({k: v.float() for k, v in earlier.state_dict().items()})
-        head.bind(target, vocab_size)
     else:
         draft_vocab = draft_vocabulary(train_set, cfg.draft_vocab, vocab_size)
         config = HeadConfig.for_target(target, draft_vocab, vocab_size, cfg.head_intermediate, cfg.target)
