@@ -390,8 +390,9 @@ void specviz_gemm_amx(const void *x, const void *w, const float *bias, void *y, 
 /* RMSNorm of bfloat16 rows as transformers' LlamaRMSNorm computes it (leanllama.rms_norm): a row widened
    to float32, times 1 / sqrt(mean of its squares + eps), rounded to bfloat16, times the weight, rounded
    again, each rounding to nearest even as torch rounds. Only the order of the sum of squares differs
-   from ATen's. A row after another, on the calling thread: a row is a few hundred numbers, less work
-   than starting threads costs, and eight ATen operations a row cost more than this call. */
+   from ATen's. A row after another, on the calling thread for a step or a verify (a row is a few hundred
+   numbers, less work than starting threads costs), shared among OpenMP threads from 64 rows on (a prefill,
+   a batch's step, distill's data), which changes no row's bits. */
 #include <string.h>
 
 static inline float from_bf16(uint16_t h)
@@ -413,6 +414,7 @@ static inline uint16_t to_bf16(float f)
 
 void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps)
 {
+#pragma omp parallel for schedule(static) if (rows >= 64)
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (size_t)r * n;
         uint16_t *yr = y + (size_t)r * n;
@@ -719,9 +721,11 @@ static void add_f32(float *x, const float *y, int64_t n)
         x[i] += y[i];
 }
 
-/* act[r, i] = SiLU(gate) * up, gate_up [rows, 2 I] (gate, then up): SiLU from the table, the product rounded. */
+/* act[r, i] = SiLU(gate) * up, gate_up [rows, 2 I] (gate, then up): SiLU from the table, the product rounded.
+   Threaded from 64 rows on, as specviz_rms_bf16 (and the float32 twins below) are. */
 void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16_t *act, int64_t rows, int64_t I)
 {
+#pragma omp parallel for schedule(static) if (rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * I, *up = gate + I;
         for (int64_t i = 0; i < I; i++)
@@ -734,6 +738,7 @@ void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16
 static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t I)
 {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for schedule(static) if (rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * I, *up = gate + I;
         for (int64_t i = 0; i < I; i += 8) {
@@ -750,6 +755,7 @@ static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t
 /* RMSNorm in float32: y = w (x / sqrt(mean of x^2 + eps)), the sum of squares in eight lanes, then sum8. */
 static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps)
 {
+#pragma omp parallel for schedule(static) if (rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         __m256 acc = _mm256_setzero_ps();
