@@ -1,5 +1,6 @@
 """`distill` end to end on a tiny target: data from the target, a draft that loads and pairs."""
 
+import dataclasses
 import hashlib
 import json
 
@@ -9,6 +10,7 @@ from conftest import words
 from specviz.core.generator import Settings, generate
 from specviz.models.loading import SHIPPED_HEAD, load_pair
 from specviz.tools import cli
+from specviz.tools.distill import DistillConfig, load_prompts
 from specviz.tools.prompts import BENCHMARK_PROMPTS, RINGS, TEMPLATES, TOPICS, training_prompts
 
 
@@ -33,6 +35,22 @@ def test_each_ring_of_prompts_comes_before_the_next():
     # the shipped head's 8,060 prompts (its distill_report.json), as they were when it was made
     shipped = json.loads((SHIPPED_HEAD / "distill_report.json").read_text())["config"]["prompts"]
     assert hashlib.sha256("\n".join(everything[:shipped]).encode()).hexdigest()[:16] == "ca7ae1566862b17a"
+
+
+def test_a_json_prompts_file_keeps_prompts_with_line_breaks(tmp_path, capsys):
+    """Code prompts span lines, so a one-per-line file cannot hold them; a .json list can. A file that is
+    not a list of strings is refused before any model is loaded (the target named here does not exist)."""
+    prompts = ["Fix this code:\n\ndef f(x):\n    return x +", "  ", "Name three rivers. "]
+    (tmp_path / "p.json").write_text(json.dumps(prompts))
+    cfg = DistillConfig("no-such-target", str(tmp_path / "out"), prompts_file=str(tmp_path / "p.json"))
+    assert load_prompts(cfg) == [prompts[0], "Name three rivers."]
+    assert load_prompts(dataclasses.replace(cfg, first_prompt=1, prompts=5)) == ["Name three rivers."]
+    (tmp_path / "bad.json").write_text(json.dumps({"prompts": prompts}))
+    argv = ["distill", "--target", str(tmp_path / "no-such-target"), "--out", str(tmp_path / "out"),
+            "--prompts-file", str(tmp_path / "bad.json")]
+    assert cli.main(argv) == 2
+    assert "expected a JSON list of prompt strings" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

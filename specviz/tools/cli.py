@@ -387,7 +387,8 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--temperatures", default=",".join(f"{t:g}" for t in defaults.temperatures),
                    help="eagle: answer each prompt once at each of these temperatures (0: greedy)")
     d.add_argument("--data-file", help="eagle: reuse the generated data from this file, or save it there")
-    d.add_argument("--prompts-file", help="one training prompt per line (default: the built-in set)")
+    d.add_argument("--prompts-file", help="one training prompt per line, or a .json list of prompt strings "
+                   "(default: the built-in set)")
     d.add_argument("--init", metavar="DIR", help="eagle: go on training this head on the new data (its draft "
                    "vocabulary kept), e.g. with --first-prompt past the prompts it was trained on")
     d.add_argument("--no-chat-template", action="store_true")

@@ -39,7 +39,7 @@ class DistillConfig:
     out: str
     prompts: int = 512  # training prompts (a share is held out for the report)
     first_prompt: int = 0  # skip this many of the prompts first (those an earlier head or draft was trained on)
-    prompts_file: str | None = None  # one prompt per line, instead of the built-in set
+    prompts_file: str | None = None  # one prompt per line (or a .json list of strings), instead of the built-in set
     chat_template: bool = True
     new_tokens: int = 96  # continuation length per prompt
     gen_batch: int = 32
@@ -75,7 +75,14 @@ class Sample:
 
 def load_prompts(cfg: DistillConfig) -> list[str]:
     if cfg.prompts_file:
-        lines = [line.strip() for line in Path(cfg.prompts_file).read_text(encoding="utf-8").splitlines()]
+        text = Path(cfg.prompts_file).read_text(encoding="utf-8")
+        if cfg.prompts_file.endswith(".json"):  # a list of strings: prompts may hold line breaks (code)
+            listed = json.loads(text)
+            if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+                raise ValueError(f"{cfg.prompts_file}: expected a JSON list of prompt strings")
+            lines = [p.strip() for p in listed]
+        else:
+            lines = [line.strip() for line in text.splitlines()]
         return [line for line in lines if line][cfg.first_prompt : cfg.first_prompt + cfg.prompts]
     return training_prompts(cfg.first_prompt + cfg.prompts, cfg.seed)[cfg.first_prompt :]
 
@@ -452,14 +459,14 @@ def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str],
 def _target_and_prompts(cfg: DistillConfig, progress: Progress):
     """(device, target, tokenizer, vocabulary size, prompts): the target in bf16 where the hardware
     has it (generation; training is float32 or autocast)."""
+    prompts = load_prompts(cfg)  # a bad prompts file fails before any model work
+    if len(prompts) < 2:
+        raise ValueError("distillation needs at least 2 prompts")
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     dtype = resolve_dtype("auto", device, head_shape(cfg.target, progress), progress)[0]
     target, tokenizer = load_model(cfg.target, device, dtype, progress)
     vocab_size = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
-    prompts = load_prompts(cfg)
-    if len(prompts) < 2:
-        raise ValueError("distillation needs at least 2 prompts")
     return device, target, tokenizer, vocab_size, prompts
 
 
