@@ -32,9 +32,11 @@ def test_each_ring_of_prompts_comes_before_the_next():
         assert len(upto) > end and set(everything[: len(upto)]) == upto
         end = len(upto)
     assert end == len(everything) and RINGS[-1] == (len(TEMPLATES), len(TOPICS))
-    # the shipped head's 8,060 prompts (its distill_report.json), as they were when it was made
-    shipped = json.loads((SHIPPED_HEAD / "distill_report.json").read_text())["config"]["prompts"]
-    assert hashlib.sha256("\n".join(everything[:shipped]).encode()).hexdigest()[:16] == "ca7ae1566862b17a"
+    # the first head's 8,060 prompts, as they were when it was made: the shipped head went on from it, and its
+    # model card rebuilds both from these (and the third ring's) by their places in the list
+    assert "--prompts 8060 " in (SHIPPED_HEAD / "README.md").read_text()
+    assert hashlib.sha256("\n".join(everything[:8060]).encode()).hexdigest()[:16] == "ca7ae1566862b17a"
+    assert hashlib.sha256("\n".join(everything).encode()).hexdigest()[:16] == "17f650c912623a36"  # all 11,159
 
 
 def test_a_json_prompts_file_keeps_prompts_with_line_breaks(tmp_path, capsys):

@@ -99,29 +99,29 @@ PRESETS: dict[str, Preset] = {
             gamma=2,
             # median tokens per round over the 11 held-out prompts (the statistic bench and the issues report:
             # a shape that gains on two prompts raises the mean, not the typical prompt), greedy, 64 tokens,
-            # float32, CPU A, 2026-11-26, the "median tokens/round" column of: bench --dtype float32 --drafters
-            #   eagle,lookup+eagle,lookup,model --gammas 1,2,4 --lookup-gammas 2,4 --eagle-gammas 1,2,3,4
-            #   --temperatures 0 --policies '' --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches ''
-            # (means within 0.01 of the earlier mean table's, 2026-11-25: the same texts)
+            # float32, the second head (assets/eagle-smollm2-135m/README.md), CPU C, 2026-11-27, the "median
+            # tokens/round" column of: bench --dtype float32 --drafters eagle,lookup+eagle,lookup,model
+            #   --gammas 1,2,4 --lookup-gammas 2,4 --eagle-gammas 1,2,3,4 --temperatures 0 --policies ''
+            #   --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches ''
             tokens_per_round=(
-                ("lookup+eagle", 1, 1.52), ("lookup+eagle", 2, 1.73), ("lookup+eagle", 3, 1.83),
-                ("lookup+eagle", 4, 1.94), ("eagle", 1, 1.52), ("eagle", 2, 1.73), ("eagle", 3, 1.83),
-                ("eagle", 4, 1.83), ("lookup", 2, 1.16), ("lookup", 4, 1.21), ("model", 1, 1.23),
+                ("lookup+eagle", 1, 1.49), ("lookup+eagle", 2, 1.73), ("lookup+eagle", 3, 1.88),
+                ("lookup+eagle", 4, 2.00), ("eagle", 1, 1.49), ("eagle", 2, 1.68), ("eagle", 3, 1.88),
+                ("eagle", 4, 1.94), ("lookup", 2, 1.16), ("lookup", 4, 1.21), ("model", 1, 1.23),
                 ("model", 2, 1.25), ("model", 4, 1.28),
                 # trees (γ deep, branch, nodes), the same column of: bench --dtype float32 --drafters lookup+eagle
                 #   --eagle-gammas 1 --trees 3x2:4,2x4:6,3x4:8,4x4:8,5x4:12,5x4:16,3x3:5,4x2:5,4x3:5,4x3:6
                 #   --temperatures 0 --policies '' --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches ''
-                ("lookup+eagle", 3, 2.06, 2, 4), ("lookup+eagle", 2, 2.06, 4, 6), ("lookup+eagle", 3, 2.29, 4, 8),
+                ("lookup+eagle", 3, 2.06, 2, 4), ("lookup+eagle", 2, 2.10, 4, 6), ("lookup+eagle", 3, 2.37, 4, 8),
                 ("lookup+eagle", 4, 2.44, 4, 8), ("lookup+eagle", 5, 2.67, 4, 12), ("lookup+eagle", 5, 2.67, 4, 16),
-                ("lookup+eagle", 3, 2.13, 3, 5), ("lookup+eagle", 4, 2.13, 2, 5), ("lookup+eagle", 4, 2.21, 3, 5),
-                ("lookup+eagle", 4, 2.21, 3, 6),
+                ("lookup+eagle", 3, 2.29, 3, 5), ("lookup+eagle", 4, 2.29, 2, 5), ("lookup+eagle", 4, 2.29, 3, 5),
+                ("lookup+eagle", 4, 2.37, 3, 6),
             ),
             # temperature 1, three seeds per prompt, the median over prompts and seeds of: bench --dtype float32
             #   --drafters lookup+eagle --eagle-gammas 1,2,3 --trees 3x2:4,3x4:8 --temperatures 1 --seeds 3
-            #   --policies '' --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches '' (CPU A, 2026-11-26)
+            #   --policies '' --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches '' (CPU C, 2026-11-27)
             sampled_tokens_per_round=(
-                ("lookup+eagle", 1, 1.43), ("lookup+eagle", 2, 1.64), ("lookup+eagle", 3, 1.73),
-                ("lookup+eagle", 3, 1.68, 2, 4), ("lookup+eagle", 3, 1.83, 4, 8),
+                ("lookup+eagle", 1, 1.45), ("lookup+eagle", 2, 1.72), ("lookup+eagle", 3, 1.83),
+                ("lookup+eagle", 3, 1.73, 2, 4), ("lookup+eagle", 3, 1.88, 4, 8),
             ),
         ),
         Preset("opt-350m", "facebook/opt-350m", "facebook/opt-125m", "OPT 350M <- 125M"),
