@@ -366,7 +366,8 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         page.locator("#stop-btn").click()
         page.evaluate(STOP_TIMER)
         # the chunk under way may still report, and Gradio clears its progress: wait until 6 s pass without an
-        # update (a chunk of 256 rows took over 3 s while the other test worker measured kernels), at most 40 s
+        # update (a batch aims at lossless.CHUNK_S, about 1 s, but took over 3 s while the other test worker
+        # measured kernels), at most 40 s
         settled, quiet = 0, 0
         for _ in range(80):
             page.wait_for_timeout(500)
@@ -378,7 +379,7 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         late = page.evaluate("window.svChanged")
         page.wait_for_timeout(4000)
         updates = page.evaluate("window.svUpdates")
-        assert updates == settled, (settled, updates)  # then nothing: a running sampler reports every 256 rows
+        assert updates == settled, (settled, updates)  # then nothing: a running sampler reports every batch
         assert "draws in" not in page.locator("#lossless-status").inner_text()  # it never finished
         started = page.evaluate("performance.now()")
         page.locator("#run-btn").click()  # the device is free: the run starts, and ends

@@ -90,7 +90,24 @@ def test_the_exact_check_of_a_real_round_matches_p_and_shows_a_broken_rule(rando
 def test_a_stopped_sample_check_ends_between_rounds(random_pair):
     settings = Settings(gamma=2, temperature=1.0)
     live = sample_check_live(random_pair, "w1 w2", settings, n=600, chat_template=False)
-    assert next(live) == "speculative: 256 of 600 draws"  # one batched round of CHUNK rows
+    assert next(live) == "speculative: 16 of 600 draws"  # one batched round of the first batch's rows
     live.close()  # what Stop does to the app's handler: no more rounds are decoded
     with pytest.raises(StopIteration):
         next(live)
+
+
+def test_sample_check_batches_grow_while_fast_and_shrink_when_slow(random_pair, monkeypatch):
+    """Batches double while one takes under half of CHUNK_S, up to CHUNK, and halve when one takes longer: a Stop
+    waits for one batch at most, whatever the drafter and the CPU."""
+    from specviz.tools import lossless
+
+    def done_counts(chunk_s: float) -> list[int]:
+        monkeypatch.setattr(lossless, "CHUNK_S", chunk_s)
+        settings = Settings(gamma=2, temperature=1.0)
+        lines = sample_check_live(random_pair, "w1 w2", settings, n=600, chat_template=False)
+        return sorted({int(line.split()[1]) for line in lines if isinstance(line, str) and line.startswith("spec")})
+
+    fast = done_counts(1e9)  # every batch "fast": 16, 32, 64, 128, 256, then the rest
+    assert fast == [16, 48, 112, 240, 496, 600]
+    slow = done_counts(0.0)  # every batch "slow": 16, 8, 4, 2, 1, 1, ...
+    assert slow[:5] == [16, 24, 28, 30, 31] and slow[-1] == 600

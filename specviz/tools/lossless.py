@@ -32,7 +32,8 @@ from ..models.loading import ModelPair
 from ..view.rendering import first_difference
 from .stream import Finished, RoundDone, stream
 
-CHUNK = 256  # rows decoded at once: memory stays bounded at any N
+CHUNK = 256  # at most this many rows decoded at once: memory stays bounded at any N
+CHUNK_S = 1.0  # a batch aims at about this many seconds, so a Stop ends the work within about that
 
 
 @torch.inference_mode()
@@ -48,12 +49,15 @@ def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: 
                  mode: str) -> Iterator[int]:
     """Yields the rows drawn so far after each batched round (closing it stops between rounds);
     returns the first generated token of n rows (seeds settings.seed .. + n - 1) and, speculative,
-    how many rows tested a first draft and how many kept it."""
+    how many rows tested a first draft and how many kept it. Batches start at 16 rows and double
+    while one takes under half of CHUNK_S (halve over it), up to CHUNK: a wide tree on a slow CPU
+    still stops soon, a fast one batches. A row's token depends on its seed only, not on its batch."""
     # a budget of two tokens: the first round drafts one token, so the first token passes the rule
     settings = replace(settings, max_new_tokens=2, record_top=0)
     tokens, tested, kept = [], 0, 0
-    for start in range(0, n, CHUNK):
-        rows = min(CHUNK, n - start)
+    start, size = 0, 16
+    while start < n:
+        rows, began = min(size, n - start), time.perf_counter()
         first: dict[int, int] = {}
         seeds = list(range(settings.seed + start, settings.seed + start + rows))
         for round_events in decode(pair, [prompt_ids] * rows, settings, mode, seeds=seeds):
@@ -64,6 +68,8 @@ def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: 
                     kept += bool(event.path)  # a draft at the first position was kept (a tree's: any)
             yield start + len(first)
         tokens += [first[row] for row in range(rows)]
+        start, took = start + rows, time.perf_counter() - began
+        size = min(CHUNK, 2 * size) if took < CHUNK_S / 2 else max(1, size // 2) if took > CHUNK_S else size
     return tokens, tested, kept
 
 
