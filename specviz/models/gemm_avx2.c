@@ -395,6 +395,8 @@ void specviz_gemm_amx(const void *x, const void *w, const float *bias, void *y, 
    a batch's step, distill's data), which changes no row's bits. */
 #include <string.h>
 
+#define THREADED_ROWS 64 /* from this many rows on, the row-by-row functions below share rows among threads */
+
 static inline float from_bf16(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;
@@ -414,7 +416,7 @@ static inline uint16_t to_bf16(float f)
 
 void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps)
 {
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (size_t)r * n;
         uint16_t *yr = y + (size_t)r * n;
@@ -668,7 +670,7 @@ INLINE void rope_store(const void *qkv, const void *cos, const void *sin, const 
 {
     const int64_t B = dims[0], T = dims[1], H = dims[2], KV = dims[3], D = dims[4], C = dims[5], half = D / 2,
                   slot_stride = dims[6], size = f32 ? 4 : 2;
-#pragma omp parallel for schedule(static) if (B * T >= 64)
+#pragma omp parallel for schedule(static) if (B * T >= THREADED_ROWS)
     for (int64_t bi = 0; bi < B * T; bi++) {
         const int64_t b = bi / T, i = bi % T, co = (b * T + i) * D;
         for (int64_t h = 0; h < H + 2 * KV; h++) {
@@ -722,10 +724,10 @@ static void add_f32(float *x, const float *y, int64_t n)
 }
 
 /* act[r, i] = SiLU(gate) * up, gate_up [rows, 2 I] (gate, then up): SiLU from the table, the product rounded.
-   Threaded from 64 rows on, as specviz_rms_bf16 (and the float32 twins below) are. */
+   Threaded from THREADED_ROWS rows on, as specviz_rms_bf16 (and the float32 twins below) are. */
 void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16_t *act, int64_t rows, int64_t I)
 {
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * I, *up = gate + I;
         for (int64_t i = 0; i < I; i++)
@@ -738,7 +740,7 @@ void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16
 static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t I)
 {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * I, *up = gate + I;
         for (int64_t i = 0; i < I; i += 8) {
@@ -755,7 +757,7 @@ static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t
 /* RMSNorm in float32: y = w (x / sqrt(mean of x^2 + eps)), the sum of squares in eight lanes, then sum8. */
 static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps)
 {
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         __m256 acc = _mm256_setzero_ps();

@@ -69,7 +69,10 @@ def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: 
             yield start + len(first)
         tokens += [first[row] for row in range(rows)]
         start, took = start + rows, time.perf_counter() - began
-        size = min(CHUNK, 2 * size) if took < CHUNK_S / 2 else max(1, size // 2) if took > CHUNK_S else size
+        if took < CHUNK_S / 2:
+            size = min(CHUNK, 2 * size)
+        elif took > CHUNK_S:
+            size = max(1, size // 2)
     return tokens, tested, kept
 
 
