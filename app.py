@@ -45,7 +45,7 @@ from specviz.ui.page import (
     machine_first_run,
     share_the_cores,
 )
-from specviz.ui.view import OUTPUT_NAMES, STEP_HINT
+from specviz.ui.view import OUTPUT_NAMES, STEP_HINT, empty_charts
 from specviz.view.rendering import CSS, legend_html
 
 log = logging.getLogger("specviz")
@@ -108,6 +108,7 @@ def projector_from_url(request: gr.Request = None) -> bool:
     return getattr(request, "query_params", {}).get("projector") == "1"
 
 
+EMPTY = empty_charts()  # the charts' frames, drawn before any run
 # delete_cache: Gradio's copies of downloaded traces go after an hour, so a public server's disk stays flat
 with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3600)) as demo:
     gr.Markdown("## specviz: watch speculative decoding\nA small drafter proposes γ tokens; the target checks "
@@ -173,18 +174,18 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     diff_box = gr.HTML()
     with gr.Row():
         round_box = gr.HTML(STEP_HINT, elem_id="stage-view")
-        fig_tree = gr.Plot(elem_id="chart-tree", show_label=False)
+        fig_tree = gr.Plot(EMPTY["fig_tree"], elem_id="chart-tree", show_label=False)
     how_box = gr.HTML(elem_id="how-it-works")
     with gr.Tabs():
         with gr.Tab("Stats and charts"):
             stats = gr.HTML(elem_id="stats")
             with gr.Row():
-                fig_rounds = gr.Plot(elem_id="chart-rounds", show_label=False)
-                fig_time = gr.Plot(elem_id="chart-time", show_label=False)
+                fig_rounds = gr.Plot(EMPTY["fig_rounds"], elem_id="chart-rounds", show_label=False)
+                fig_time = gr.Plot(EMPTY["fig_time"], elem_id="chart-time", show_label=False)
             with gr.Row():
-                fig_position = gr.Plot(elem_id="chart-position", show_label=False)
-                fig_speedup = gr.Plot(elem_id="chart-speedup", show_label=False)
-            fig_cache = gr.Plot(elem_id="chart-cache", show_label=False)
+                fig_position = gr.Plot(EMPTY["fig_position"], elem_id="chart-position", show_label=False)
+                fig_speedup = gr.Plot(EMPTY["fig_speedup"], elem_id="chart-speedup", show_label=False)
+            fig_cache = gr.Plot(EMPTY["fig_cache"], elem_id="chart-cache", show_label=False)
         with gr.Tab("Lossless, visible", elem_id="lossless-tab"):
             gr.Markdown("Speculative sampling leaves the target's distribution unchanged. **Exact check**: one "
                         "round for this prompt and these settings, in closed form. **Sample N times**: the first "

@@ -106,3 +106,37 @@ def test_the_page_is_drawn_at_most_every_update_s_and_at_each_runs_last_round(pa
     assert len(statuses) == 4 and statuses[-1].startswith("done: 24 tokens. Speedup")
     every, _ = drawn(0.0)
     assert len(every) == len(last.spec.events) + len(last.base.events) + 1
+
+
+def test_the_charts_under_the_streams_are_redrawn_at_most_every_charts_s_and_at_each_runs_last_round(pattern_pair,
+                                                                                                    monkeypatch):
+    """The browser lays each chart out anew at every redraw, on the CPU the decode runs on: with the page drawn
+    every round, the five charts under the streams come at the first round, at each run's last round and at the
+    end when rounds come faster than CHARTS_S (then current: the spec's whole run at its last round), and in
+    every frame with CHARTS_S 0. The round's tree, on the first screen, comes with every frame."""
+    from specviz.ui import handlers
+    from specviz.ui.view import CHARTS, OUTPUT_NAMES, View
+    from specviz.view import charts
+
+    pair = pattern_pair("llama")
+    updates = list(stream(pair, "w2 w3 w4", Settings(gamma=2, max_new_tokens=24), compare=True, chat_template=False))
+    last = updates[-1]
+    n_spec, n_base = len(last.spec.events), len(last.base.events)
+    monkeypatch.setattr(handlers, "UPDATE_S", 0.0)
+
+    def frames(charts_s: float) -> list[tuple]:
+        monkeypatch.setattr(handlers, "CHARTS_S", charts_s)
+        return list(handlers.follow(View(), iter(updates), ""))
+
+    def charted(frame: tuple) -> bool:
+        drawn = [isinstance(frame[OUTPUT_NAMES.index(name)], charts.PlotlySpec) for name in CHARTS]
+        assert len(set(drawn)) == 1, drawn  # the five together or none
+        return drawn[0]
+
+    slow = frames(3600.0)
+    assert len(slow) == n_spec + n_base + 1
+    ends = [n_spec - 1, n_spec + n_base - 1, n_spec + n_base]  # each run's last round, and the finished runs
+    assert [i for i, frame in enumerate(slow) if charted(frame)] == [0, *ends]
+    assert slow[n_spec - 1][OUTPUT_NAMES.index("fig_rounds")] == charts.tokens_per_round(last.spec)
+    assert all(isinstance(frame[OUTPUT_NAMES.index("fig_tree")], charts.PlotlySpec) for frame in slow)
+    assert all(charted(frame) for frame in frames(0.0))

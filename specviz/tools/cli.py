@@ -261,6 +261,9 @@ def _add_bench_page(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=None, help="SPECVIZ_THREADS for the app (default: the app's)")
     b.add_argument("--update-s", type=float, default=None,
                    help="SPECVIZ_UPDATE_S for the app: the page redrawn at most this often (0: every round)")
+    b.add_argument("--charts-s", type=float, default=None,
+                   help="SPECVIZ_CHARTS_S for the app: the charts under the streams redrawn at most this often "
+                        "(0: with the page)")
 
 
 def cmd_bench_page(args: argparse.Namespace) -> int:
@@ -268,7 +271,7 @@ def cmd_bench_page(args: argparse.Namespace) -> int:
 
     if args.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {args.runs}")
-    rows = page_runs(args.prompt, args.runs, args.max_new_tokens, args.threads, args.update_s,
+    rows = page_runs(args.prompt, args.runs, args.max_new_tokens, args.threads, args.update_s, args.charts_s,
                      lambda m: print(m, file=sys.stderr, flush=True))
     print(table(rows))
     return 0

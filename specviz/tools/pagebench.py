@@ -3,9 +3,10 @@ speedup the page then reads, with the CPU time the server and the browser spent 
 
 The CLI and `bench` time decoding alone. A person watching the app has a browser drawing the page on the
 same CPU, which a decode on every core waits for (page.share_the_cores); this measures what they see. The
-app runs as `python app.py` does (its warm-up included), with SPECVIZ_THREADS and SPECVIZ_UPDATE_S passed
-on when given, so the page's settings can be compared run against run. Needs the repository's app.py,
-Playwright and a Chromium (`chromium` on the PATH). CPU times are read from Linux's /proc (elsewhere: none).
+app runs as `python app.py` does (its warm-up included), with SPECVIZ_THREADS, SPECVIZ_UPDATE_S and
+SPECVIZ_CHARTS_S passed on when given, so the page's settings can be compared run against run. Needs the
+repository's app.py, Playwright and a Chromium (`chromium` on the PATH). CPU times are read from Linux's /proc
+(elsewhere: none).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _serve(env: dict[str, str], progress: Progress) -> tuple[subprocess.Popen, s
 
 
 def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, threads: int | None = None,
-              update_s: float | None = None, progress: Progress = print) -> list[dict]:
+              update_s: float | None = None, charts_s: float | None = None, progress: Progress = print) -> list[dict]:
     """Per run: the page's status line, the speedup and tokens/s it reads, the wall time from the click to
     "done", and the app's and the browser's CPU-seconds over it."""
     from playwright.sync_api import sync_playwright
@@ -76,7 +77,8 @@ def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, 
     chromium = shutil.which("chromium")
     if not APP.is_file() or not chromium:
         raise RuntimeError("bench-page needs the repository's app.py and a `chromium` on the PATH")
-    env = {k: str(v) for k, v in (("SPECVIZ_THREADS", threads), ("SPECVIZ_UPDATE_S", update_s)) if v is not None}
+    env = {k: str(v) for k, v in (("SPECVIZ_THREADS", threads), ("SPECVIZ_UPDATE_S", update_s),
+                                  ("SPECVIZ_CHARTS_S", charts_s)) if v is not None}
     app, url = _serve(env, progress)
     rows = []
     try:

@@ -27,6 +27,7 @@ from . import stepping
 from .device import on_device
 from .page import (
     BATCH_SEPARATOR,
+    CHARTS_S,
     CUSTOM,
     MAX_BATCH_UI,
     MAX_SAMPLES_UI,
@@ -77,8 +78,10 @@ def draft_note(pair: ModelPair, settings) -> str:
 def follow(view: View, updates: Iterator[Update], note: str):
     """The page every UPDATE_S at most, and at each run's last round, until the runs finish: every round shows,
     several at once when they come faster (drawn every round, a 64-token comparison that decodes in 1-2 s kept
-    a 2-core CPU's browser busy for 18-21 CPU-seconds: `bench-page`, BENCHMARKS.md)."""
-    drawn = -math.inf  # the first round is drawn at once
+    a 2-core CPU's browser busy for 18-21 CPU-seconds: `bench-page`, BENCHMARKS.md). The five charts under the
+    streams are redrawn every CHARTS_S at most and at each run's last round: the browser lays out each of them
+    anew at every redraw, on the CPU the decode runs on."""
+    drawn = charted = -math.inf  # the first round is drawn at once, charts included
     for update in updates:
         if isinstance(update, RoundDone):
             event, speculative = update.event, update.run.meta.mode == "speculative"
@@ -91,7 +94,9 @@ def follow(view: View, updates: Iterator[Update], note: str):
                 drawn = time.perf_counter()
                 what = f"round {event.index + 1}, " if speculative else ""
                 view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens")
-                yield view.outputs(final=False)
+                with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
+                charted = drawn if with_charts else charted
+                yield view.outputs(final=False, with_charts=with_charts)
         elif isinstance(update, Finished):
             stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
             view.spec, view.base = update.spec, update.base

@@ -57,6 +57,9 @@ MAX_SAMPLES_UI = 2000 if PUBLIC else 20_000
 BATCH_SEPARATOR = "---"
 TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
 UPDATE_S = float(os.environ.get("SPECVIZ_UPDATE_S") or 0.25)  # the page drawn at most this often in a run (0: always)
+# the five charts under the streams redrawn at most this often in a run, and at each run's last round (0: with the
+# page): each redraw is a Plotly layout in the browser, which shares the CPU with the decode (`bench-page --charts-s`)
+CHARTS_S = float(os.environ.get("SPECVIZ_CHARTS_S") or 1.0)
 FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 log = logging.getLogger("specviz")

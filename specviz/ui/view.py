@@ -15,6 +15,7 @@ from ..view.stages import how_it_works_html, round_stages, stage_html, tree_view
 OUTPUT_NAMES = ("status", "spec_html", "base_html", "diff_box", "stats", "fig_rounds", "fig_time", "fig_position",
                 "fig_speedup", "fig_cache", "fig_tree", "runs_state", "token_pick", "download", "race_box", "round_box",
                 "how_box")
+CHARTS = ("fig_rounds", "fig_time", "fig_position", "fig_speedup", "fig_cache")  # under the streams, in a tab
 STEP_HINT = ('<div class="sv-note">Step runs one round and pauses on it; Next ▸ (or the key <b>n</b>) shows '
              "its stages one by one: each draft with q, the verify pass with p, each decision, the added "
              "token. Continue runs to the end.</div>")
@@ -46,8 +47,10 @@ class View:
         stages = round_stages(event, self.spec.meta)
         return charts.token_tree(event, *tree_view(stages[self.stage] if self.stage is not None else None))
 
-    def outputs(self, download: str | None = None, race: str = "", final: bool = True) -> tuple:
-        """The page; between rounds (final=False) the inspector and the download stay as they are."""
+    def outputs(self, download: str | None = None, race: str = "", final: bool = True,
+                with_charts: bool = True) -> tuple:
+        """The page; between rounds (final=False) the inspector and the download stay as they are, and without
+        with_charts the five charts under the streams too (the round's tree is drawn with the streams)."""
         diff_at = greedy_diff(self.spec, self.base)
         runs = [r for r in (self.spec, self.base) if r is not None]
         picker = gr.skip()
@@ -62,11 +65,7 @@ class View:
             stream_html(self.base, self.show_rounds, diff_at) if self.base else "",
             diff_html(self.spec, self.base) if self.spec and self.base else "",
             stats_html(self.spec, self.base),
-            charts.tokens_per_round(self.spec),
-            charts.tokens_over_time(self.spec, self.base),
-            charts.acceptance_by_position(self.spec),
-            charts.speedup_curve(self.spec, self.base),
-            charts.cache_lengths(self.spec),
+            *(self.figures() if with_charts or final else [gr.skip()] * len(CHARTS)),
             self.round_tree(),
             runs,
             picker,
@@ -75,11 +74,31 @@ class View:
             *self.round_view(),
         )
 
+    def figures(self) -> list:
+        """The five charts under the streams, in CHARTS order."""
+        return [charts.tokens_per_round(self.spec), charts.tokens_over_time(self.spec, self.base),
+                charts.acceptance_by_position(self.spec), charts.speedup_curve(self.spec, self.base),
+                charts.cache_lengths(self.spec)]
+
     def stage_outputs(self) -> tuple:
         """Only the status, the round view and its tree change (a stage within a shown round)."""
         round_box, how_box = self.round_view()
         shown = {"status": self.status, "fig_tree": self.round_tree(), "round_box": round_box, "how_box": how_box}
         return tuple(shown.get(name, gr.skip()) for name in OUTPUT_NAMES)
+
+
+def empty_charts() -> dict[str, charts.PlotlySpec]:
+    """Every chart of a run, titled, before any run: the page opens with their frames drawn (and the browser
+    loads and compiles Plotly then, not during the first run, whose decode shares the CPU with it)."""
+    view = View()
+    figures = {**dict(zip(CHARTS, view.figures(), strict=True)), "fig_tree": view.round_tree()}
+    for figure in figures.values():
+        layout = figure["layout"]
+        for axis in ("xaxis", "yaxis"):
+            layout[axis] = {**layout[axis], "showticklabels": False, "showgrid": False, "zeroline": False}
+        layout["annotations"] = [{"text": "drawn as a run goes", "showarrow": False, "xref": "paper", "yref": "paper",
+                                  "x": 0.5, "y": 0.5, "font": {"color": "#999999"}}]
+    return figures
 
 
 def greedy_diff(spec: Run | None, base: Run | None) -> int | None:
