@@ -258,7 +258,8 @@ def cpu_class(m: dict | None = None) -> str:
 
 def describe_machine(m: dict | None = None) -> str:
     m = m or machine()
-    return f"{m['cpu']} ({cpu_class(m)}; {' '.join(m['isa']) or 'no AVX'}), {m['threads']} threads, torch {m['torch']}"
+    threads = f"{m['threads']} thread{'s' if m['threads'] != 1 else ''}"
+    return f"{m['cpu']} ({cpu_class(m)}; {' '.join(m['isa']) or 'no AVX'}), {threads}, torch {m['torch']}"
 
 
 def registry() -> list[str]:
