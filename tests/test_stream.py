@@ -140,3 +140,19 @@ def test_the_charts_under_the_streams_are_redrawn_at_most_every_charts_s_and_at_
     assert slow[n_spec - 1][OUTPUT_NAMES.index("fig_rounds")] == charts.tokens_per_round(last.spec)
     assert all(isinstance(frame[OUTPUT_NAMES.index("fig_tree")], charts.PlotlySpec) for frame in slow)
     assert all(charted(frame) for frame in frames(0.0))
+
+
+def test_the_charts_open_as_titled_frames_until_a_run_draws_them(pattern_pair):
+    """Before any run the page's six charts are frames with their titles and a note (so the browser loads Plotly
+    with the page, not during the first run); a run's charts carry no note."""
+    from specviz.ui.view import CHARTS, View, empty_charts
+
+    empty = empty_charts()
+    assert set(empty) == {*CHARTS, "fig_tree"}
+    for figure in empty.values():
+        layout = figure["layout"]
+        assert layout["title"]["text"] and layout["annotations"][0]["text"] == "drawn as a run goes"
+        assert not layout["xaxis"]["showticklabels"] and not layout["yaxis"]["showticklabels"]
+    run = stream(pattern_pair("llama"), "w2 w3 w4", Settings(gamma=2, max_new_tokens=8), chat_template=False)
+    view = View(spec=list(run)[-1].spec)
+    assert all("annotations" not in figure["layout"] for figure in [*view.figures(), view.round_tree()])

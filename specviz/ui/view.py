@@ -42,7 +42,7 @@ class View:
     def round_tree(self):
         """The last round's token tree, as far as the stage shown has grown and decided it."""
         if self.spec is None or not self.spec.events:
-            return charts.token_tree(None)
+            return waiting(charts.token_tree(None))
         event = self.spec.events[-1]
         stages = round_stages(event, self.spec.meta)
         return charts.token_tree(event, *tree_view(stages[self.stage] if self.stage is not None else None))
@@ -75,10 +75,11 @@ class View:
         )
 
     def figures(self) -> list:
-        """The five charts under the streams, in CHARTS order."""
-        return [charts.tokens_per_round(self.spec), charts.tokens_over_time(self.spec, self.base),
-                charts.acceptance_by_position(self.spec), charts.speedup_curve(self.spec, self.base),
-                charts.cache_lengths(self.spec)]
+        """The five charts under the streams, in CHARTS order (frames saying so before a run)."""
+        figures = [charts.tokens_per_round(self.spec), charts.tokens_over_time(self.spec, self.base),
+                   charts.acceptance_by_position(self.spec), charts.speedup_curve(self.spec, self.base),
+                   charts.cache_lengths(self.spec)]
+        return figures if self.spec is not None else [waiting(figure) for figure in figures]
 
     def stage_outputs(self) -> tuple:
         """Only the status, the round view and its tree change (a stage within a shown round)."""
@@ -87,18 +88,21 @@ class View:
         return tuple(shown.get(name, gr.skip()) for name in OUTPUT_NAMES)
 
 
+def waiting(figure: charts.PlotlySpec) -> charts.PlotlySpec:
+    """A chart with no run yet: its title and axis titles, no ticks, and a note that a run draws it."""
+    layout = figure["layout"]
+    for axis in ("xaxis", "yaxis"):
+        layout[axis] = {**layout[axis], "showticklabels": False, "showgrid": False, "zeroline": False}
+    layout["annotations"] = [{"text": "drawn as a run goes", "showarrow": False, "xref": "paper", "yref": "paper",
+                              "x": 0.5, "y": 0.5, "font": {"color": "#999999"}}]
+    return figure
+
+
 def empty_charts() -> dict[str, charts.PlotlySpec]:
-    """Every chart of a run, titled, before any run: the page opens with their frames drawn (and the browser
-    loads and compiles Plotly then, not during the first run, whose decode shares the CPU with it)."""
+    """Every chart of a run before any run: the page opens with their frames drawn (and the browser loads and
+    compiles Plotly then, not during the first run, whose decode shares the CPU with it)."""
     view = View()
-    figures = {**dict(zip(CHARTS, view.figures(), strict=True)), "fig_tree": view.round_tree()}
-    for figure in figures.values():
-        layout = figure["layout"]
-        for axis in ("xaxis", "yaxis"):
-            layout[axis] = {**layout[axis], "showticklabels": False, "showgrid": False, "zeroline": False}
-        layout["annotations"] = [{"text": "drawn as a run goes", "showarrow": False, "xref": "paper", "yref": "paper",
-                                  "x": 0.5, "y": 0.5, "font": {"color": "#999999"}}]
-    return figures
+    return {**dict(zip(CHARTS, view.figures(), strict=True)), "fig_tree": view.round_tree()}
 
 
 def greedy_diff(spec: Run | None, base: Run | None) -> int | None:
