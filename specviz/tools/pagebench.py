@@ -68,6 +68,22 @@ def _serve(env: dict[str, str], progress: Progress) -> tuple[subprocess.Popen, s
     raise RuntimeError("the app did not start serving (run `python app.py` to see why)")
 
 
+# Watches the status line from before a click: the run under way once a line says neither "done" nor "Error",
+# ended at the first line after that which says either (window.svEnded: that line)
+WATCH_STATUS = """() => {
+  const status = document.querySelector('#status');
+  const ended = (text) => /done|Error/.test(text);
+  window.svRunning = false; window.svEnded = null;
+  if (window.svWatch) window.svWatch.disconnect();
+  window.svWatch = new MutationObserver(() => {
+    const text = status.innerText;
+    if (!ended(text)) window.svRunning = true;
+    else if (window.svRunning && window.svEnded === null) window.svEnded = text;
+  });
+  window.svWatch.observe(status, {subtree: true, childList: true, characterData: true});
+}"""
+
+
 def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, threads: int | None = None,
               update_s: float | None = None, charts_s: float | None = None, progress: Progress = print) -> list[dict]:
     """Per run: the page's status line, the speedup and tokens/s it reads, the wall time from the click to
@@ -94,15 +110,15 @@ def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, 
                 box.fill(str(max_new_tokens))
                 box.press("Enter")
             time.sleep(2)  # the page's first drawing done
-            last = "done"  # the last run's status line (before the first: any line saying "done")
             for i in range(runs):
+                page.evaluate(WATCH_STATUS)  # before the click: a run that ends before the next look still counts
                 before, start = cpu_seconds(app.pid), time.perf_counter()
                 page.locator("#run-btn").click()
-                page.wait_for_function("(last) => !document.querySelector('#status').innerText.includes(last)",
-                                       arg=last, timeout=600_000)  # the new run under way: the last one's line gone
-                page.locator("#status :text('done')").wait_for(timeout=600_000)
+                page.wait_for_function("() => window.svEnded", timeout=600_000)
                 wall, after = time.perf_counter() - start, cpu_seconds(app.pid)
-                status = last = page.locator("#status").inner_text().strip()
+                status = page.evaluate("window.svEnded").strip()
+                if "done" not in status:
+                    raise RuntimeError(f"run {i + 1} ended with: {status}")
                 read = [float(x) for x in found.groups()] if (found := SPEEDUP.search(status)) else [None] * 3
                 rows.append({"run": i + 1, "status": status, "wall_s": wall, **dict(zip(READ, read, strict=True)),
                              **({f"{k}_cpu_s": after[k] - before[k] for k in after} if before and after else {})})
