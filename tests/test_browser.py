@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from specviz.tools.pagebench import WATCH_STATUS
+
 pytestmark = [pytest.mark.slow, pytest.mark.offline_model, pytest.mark.browser]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -119,6 +121,15 @@ def raise_temperature(page, value: str = "1") -> None:
         _, _, branch, nodes, _ = first_run_values("offline", sampled)
         for box, want in (("#branch", branch), ("#nodes", nodes)):
             expect(page.locator(f'{box} input[type="number"]')).to_have_value(str(want), timeout=30_000)
+
+
+def run_to_its_end(page, timeout: float = 300_000) -> str:
+    """Press Run and wait for that run's last status line, watched from before the click (pagebench's watcher:
+    a run that ends before the test looks still counts, and a line left by the run before never does)."""
+    page.evaluate(WATCH_STATUS)
+    page.locator("#run-btn").click()
+    page.wait_for_function("() => window.svEnded", timeout=timeout)
+    return page.evaluate("window.svEnded")
 
 
 def press_run(page) -> float:
@@ -237,8 +248,7 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
         # greedy drafting under sampling: the stats say so, and the caches chart its rounds
         page.get_by_text("More settings and example prompts").click()
         page.get_by_label("draft greedily").check()
-        page.locator("#run-btn").click()
-        page.locator("#status :text('done')").wait_for(timeout=300_000)
+        assert "done" in run_to_its_end(page)
         assert "drafting greedily" in page.locator("#stats").inner_text()
         drawn(page, "#chart-cache")
         assert "rolled back" in page.locator("#chart-cache").inner_text()
@@ -269,8 +279,7 @@ def test_lossless_checks_greedy_drafting_and_the_cache_chart(app_url):
         # greedy: the float32 check reruns both runs and says whether they agree
         page.get_by_label("draft greedily").uncheck()
         set_number(page, "temperature", "0")
-        page.locator("#run-btn").click()
-        page.locator("#status :text('done')").wait_for(timeout=300_000)
+        assert "done" in run_to_its_end(page)
         page.locator("#fp32-btn").click()
         page.wait_for_function("/Rerun just now|Error/.test(document.querySelector('#fp32-status').innerText)",
                                timeout=300_000)
@@ -382,9 +391,10 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         assert updates == settled, (settled, updates)  # then nothing: a running sampler reports every batch
         assert "draws in" not in page.locator("#lossless-status").inner_text()  # it never finished
         started = page.evaluate("performance.now()")
+        page.evaluate(WATCH_STATUS)  # from before the click: a run that ends before the next look still counts
         page.locator("#run-btn").click()  # the device is free: the run starts, and ends
         try:
-            page.wait_for_function("!/Speedup/.test(document.querySelector('#status').innerText)", timeout=120_000)
+            page.wait_for_function("() => window.svRunning", timeout=120_000)
         except Exception as err:  # the server's threads and queue (it runs in this process), for the next reader
             stacks = "\n".join(f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
                                for ident, frame in sys._current_frames().items())
@@ -393,7 +403,8 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
                                  f"{page.locator('#lossless-status').inner_text()!r}\nthe page's requests:\n"
                                  + "\n".join(sent) + f"\n{queue_state()}\n{stacks}") from err
         begun = page.evaluate("performance.now()")
-        page.locator("#status :text('Speedup')").wait_for(timeout=300_000)
+        page.wait_for_function("() => window.svEnded", timeout=300_000)
+        assert "Speedup" in page.evaluate("window.svEnded")
         print(f"\nStop during Sample N: {settled} update(s) after Stop, the first {late} ms after it; the next "
               f"run began {(begun - started) / 1000:.1f} s after Run and ended "
               f"{(page.evaluate('performance.now()') - started) / 1000:.1f} s after it")
