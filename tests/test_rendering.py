@@ -80,6 +80,15 @@ def test_charts_keep_zoom_and_show_the_data():
         assert fig.figure().to_json()
 
 
+def test_a_tree_runs_speedup_point_says_the_bound_is_a_chains():
+    """Leviathan's bound is for a chain of γ drafts: a tree of as many drafts can pass it, and says so."""
+    chain = make_run()
+    tree = dataclasses.replace(chain, meta=dataclasses.replace(chain.meta, branch=3, nodes=5))
+    names = [[trace["name"] for trace in charts.speedup_curve(run, run)["data"]] for run in (chain, tree)]
+    assert names[0] == ["bound for α=0.75, c=0.20", "measured (this run)"]
+    assert names[1] == ["a chain's bound for α=0.75, c=0.20", "measured (a tree: it can pass a chain's bound)"]
+
+
 def test_theory():
     assert expected_tokens_per_round(0.0, 4) == 1.0
     assert expected_tokens_per_round(1.0, 4) == 5.0
