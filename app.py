@@ -127,8 +127,9 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
         with gr.Column(scale=2):
             with gr.Row():
                 preset = gr.Dropdown([*PRESETS] if PUBLIC else [*PRESETS, CUSTOM], value="offline",
-                                     label="Model pair")
-                drafter = gr.Dropdown(DRAFTER_CHOICES, value=FIRST_RUN.drafter, label="Drafter", elem_id="drafter")
+                                     label="Model pair", scale=1)
+                drafter = gr.Dropdown(DRAFTER_CHOICES, value=FIRST_RUN.drafter, label="Drafter", elem_id="drafter",
+                                      scale=2)  # its choices are sentences
             with gr.Row():
                 gamma = gr.Slider(1, MAX_GAMMA_UI, value=FIRST_RUN.gamma, step=1, label="γ (drafts per round)")
                 temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")

@@ -403,7 +403,7 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {
                           lambda pair, s, capacity: PromptLookupDrafter(pair.vocab_size, device=pair.device)),
     "eagle": DrafterKind("EAGLE head (reads the target's hidden states)", _head_name,
                          _head, needs_head=True, trees=True),
-    "lookup+eagle": DrafterKind("prompt lookup where the text repeats, EAGLE head elsewhere",
+    "lookup+eagle": DrafterKind("prompt lookup, else EAGLE head",  # lookup where the text repeats
                                 lambda pair: lookup_first_name(_head_name(pair)),
                                 lambda pair, s, capacity: LookupFirstDrafter(_head(pair, s, capacity),
                                                                              pair.vocab_size, pair.device),
