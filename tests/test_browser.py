@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specviz.tools.pagebench import WATCH_STATUS
+from specviz.tools.pagebench import WATCH_STATUS, run_to_its_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.offline_model, pytest.mark.browser]
 
@@ -121,15 +121,6 @@ def raise_temperature(page, value: str = "1") -> None:
         _, _, branch, nodes, _ = first_run_values("offline", sampled)
         for box, want in (("#branch", branch), ("#nodes", nodes)):
             expect(page.locator(f'{box} input[type="number"]')).to_have_value(str(want), timeout=30_000)
-
-
-def run_to_its_end(page, timeout: float = 300_000) -> str:
-    """Press Run and wait for that run's last status line, watched from before the click (pagebench's watcher:
-    a run that ends before the test looks still counts, and a line left by the run before never does)."""
-    page.evaluate(WATCH_STATUS)
-    page.locator("#run-btn").click()
-    page.wait_for_function("() => window.svEnded", timeout=timeout)
-    return page.evaluate("window.svEnded")
 
 
 def press_run(page) -> float:

@@ -84,6 +84,14 @@ WATCH_STATUS = """() => {
 }"""
 
 
+def run_to_its_end(page, timeout: float = 600_000) -> str:
+    """Press Run and return that run's last status line, watched from before the click (WATCH_STATUS)."""
+    page.evaluate(WATCH_STATUS)
+    page.locator("#run-btn").click()
+    page.wait_for_function("() => window.svEnded", timeout=timeout)
+    return page.evaluate("window.svEnded").strip()
+
+
 def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, threads: int | None = None,
               update_s: float | None = None, charts_s: float | None = None, progress: Progress = print) -> list[dict]:
     """Per run: the page's status line, the speedup and tokens/s it reads, the wall time from the click to
@@ -111,12 +119,9 @@ def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, 
                 box.press("Enter")
             time.sleep(2)  # the page's first drawing done
             for i in range(runs):
-                page.evaluate(WATCH_STATUS)  # before the click: a run that ends before the next look still counts
                 before, start = cpu_seconds(app.pid), time.perf_counter()
-                page.locator("#run-btn").click()
-                page.wait_for_function("() => window.svEnded", timeout=600_000)
+                status = run_to_its_end(page)
                 wall, after = time.perf_counter() - start, cpu_seconds(app.pid)
-                status = page.evaluate("window.svEnded").strip()
                 if "done" not in status:
                     raise RuntimeError(f"run {i + 1} ended with: {status}")
                 read = [float(x) for x in found.groups()] if (found := SPEEDUP.search(status)) else [None] * 3

@@ -95,7 +95,8 @@ def follow(view: View, updates: Iterator[Update], note: str):
                 what = f"round {event.index + 1}, " if speculative else ""
                 view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens")
                 with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
-                charted = drawn if with_charts else charted
+                if with_charts:
+                    charted = drawn
                 yield view.outputs(final=False, with_charts=with_charts)
         elif isinstance(update, Finished):
             stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
