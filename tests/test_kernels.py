@@ -707,6 +707,36 @@ def test_the_c_argmax_is_torchs():
     assert torch.equal(native.argmax(x.T), x.T.argmax(-1)) and torch.equal(native.argmax(x.double()), x.argmax(-1))
 
 
+def test_the_c_topk_is_torchs():
+    """native.topk (the inspector's candidates): torch.topk's values, largest first, for rows of every length around
+    the 8 lanes and k up to 64, and its indices, where torch leaves ties open the first of equal values first; a
+    NaN ranks above every number, as in torch; rows a stride apart (a slice of wider rows); other dtypes, shapes and
+    a k past 64 go to torch."""
+    from specviz.models import native
+
+    if not native.runs_here():
+        pytest.skip("specviz's C functions do not run here")
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 17, 49152 + 5):
+        x = torch.randn(3, n, generator=gen)
+        for k in sorted({1, min(8, n), min(n, 64)}):
+            values, index = native.topk(x, k)
+            assert torch.equal(values, torch.topk(x, k).values) and torch.equal(x.gather(1, index), values), (n, k)
+            assert all(len(set(row)) == k for row in index.tolist())
+            tied = (x * 2).round().clamp(-2, 2)  # five values over n columns: ties everywhere
+            values, index = native.topk(tied, k)
+            order = sorted(range(n), key=lambda j: -tied[0, j].item())[:k]  # a stable sort: the first index first
+            assert torch.equal(values, torch.topk(tied, k).values) and index[0].tolist() == order, (n, k)
+    row = torch.tensor([[1.0, math.nan, 3.0, -math.inf, 3.0, math.nan, 0.5, 2.0, 9.0, -0.0]])
+    values, index = native.topk(row, 5)
+    assert index.tolist() == [[1, 5, 8, 2, 4]] and values[0, 2:].tolist() == [9.0, 3.0, 3.0]
+    wide = torch.randn(4, 8193, generator=gen)
+    narrow = wide[:, :-1]  # rows 8,193 apart
+    assert torch.equal(native.topk(narrow, 8)[1], torch.topk(narrow, 8).indices)
+    assert torch.equal(native.topk(wide.double(), 3)[1], torch.topk(wide.double(), 3).indices)
+    assert torch.equal(native.topk(wide, 65)[0], torch.topk(wide, 65).values)
+
+
 def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch, tmp_path):
     """bf16 on a CPU where every product of the layers takes the pair kernel: the layers run as one C call
     (native.layers) and give the layer-by-layer path's bits (logits, hidden states, every cache) at a

@@ -23,19 +23,47 @@ from .kvcache import KVState, left_padded, on_device
 from .sampling import SamplingParams, at_least_float32, chain_parents, draw_children, logits_to_probs, sample
 
 
+@dataclass(frozen=True, eq=False)
+class Columns:
+    """A drafter's own vocabulary, part of the target's: ids [N], the target id of each column, and
+    of [V], the column of each target id (N where it has none: one past the last). Its q and logits rows
+    are N wide, not V."""
+
+    ids: torch.Tensor
+    of: torch.Tensor
+
+    @staticmethod
+    def of_ids(ids: torch.Tensor, vocab_size: int) -> Columns:
+        of = torch.full((vocab_size,), ids.shape[0], dtype=torch.long, device=ids.device)
+        of[ids] = torch.arange(ids.shape[0], device=ids.device)
+        return Columns(ids, of)
+
+
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [γ] drafted ids (γ may be less than asked for, even 0)
-    q: torch.Tensor  # [γ, V] the distribution each token was drawn from (one-hot when greedy)
-    logits: torch.Tensor | None = None  # [γ, V] raw draft logits, if the drafter has a model
+    q: torch.Tensor  # [γ, N] the distribution each token was drawn from (one-hot when greedy), over `columns`
+    logits: torch.Tensor | None = None  # [γ, N] raw draft logits, if the drafter has a model
     source: str = ""  # which part of a combined drafter proposed (e.g. "lookup"); "" for a single one
     parents: list[int] | None = None  # [γ] a tree: each node's parent (-1: the last kept token); None: a chain
     scores: list[float] | None = None  # [γ] a tree's nodes: the draft's probability of the path to each
+    columns: Columns | None = None  # q's and logits' columns, a drafter's own vocabulary; None: all V, N = V
 
     @property
     def tree(self) -> list[int]:
         """Each node's parent, a chain's too."""
         return chain_parents(self.tokens.shape[0]) if self.parents is None else self.parents
+
+    def widened(self) -> Proposal:
+        """The same proposal with q and logits over the whole vocabulary, [γ, V] (0 and -inf outside the
+        drafter's own): what the rule reads when it samples (a greedy round reads neither)."""
+        if self.columns is None:
+            return self
+        rows, (ids, of) = self.tokens.shape[0], (self.columns.ids, self.columns.of)
+        q = self.q.new_zeros(rows, of.shape[0]).index_copy_(1, ids, self.q)
+        logits = None if self.logits is None else \
+            self.logits.new_full((rows, of.shape[0]), -math.inf).index_copy_(1, ids, self.logits)
+        return replace(self, q=q, logits=logits, columns=None)
 
 
 class Drafter(Protocol):
@@ -193,6 +221,7 @@ class EagleDrafter:
     def __init__(self, head: EagleHead, vocab_size: int, pad_id: int, capacity: int, name: str = "EAGLE head",
                  branch: int = 1, nodes: int = 0):
         self.head, self.vocab_size, self.pad_id, self.capacity, self.name = head, vocab_size, pad_id, capacity, name
+        self.columns = Columns.of_ids(head.draft_ids, vocab_size)  # q and logits stay on the head's vocabulary
         self.branch, self.nodes = branch, nodes  # children per node (1: a chain); nodes kept (0: all drafted)
         self.cache: HeadCache | None = None
         self.pending: list[torch.Tensor] = []  # per row: [n, F] features whose entries are not written yet
@@ -243,7 +272,7 @@ class EagleDrafter:
         if sampled and self.nodes:  # k nodes a level, the first `nodes` kept: no level past them
             depth = min(depth, -(-self.nodes // k))
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
-        rows, (lengths, drafting) = len(seqs), on_device([cache.lengths, gammas], device)  # [B] each: entries, γ
+        rows, lengths = len(seqs), on_device(cache.lengths, device)  # [B]: entries
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
         seen = (cache.slot_index < lengths[:, None])[:, None]
         # per level: [B, n] ids (on the head's vocabulary), parents, log scores, [B, n, N] q; [B, f, N] logits of
@@ -281,14 +310,17 @@ class EagleDrafter:
             beam_ids, fed_score = beam + first, scores[-1].gather(1, beam)
             parent_pos = beam // picks.shape[-1]  # which fed node each beam node hangs from, [B, f']
             g = h.gather(1, parent_pos[:, :, None].expand(-1, -1, h.shape[-1]))
-            slots = lengths[:, None] + (level - 1) * k + torch.arange(beam.shape[1], device=device)  # [B, f']
-            # a node is fed only where the row drafts a level below it
-            slots = torch.where((level < drafting)[:, None], slots, cache.scratch)
-            positions = torch.where(slots == cache.scratch, 0, lengths[:, None] + level - 1)
-            own = torch.zeros(rows, beam.shape[1], cache.scratch + 1, dtype=torch.bool, device=device)
-            own.scatter_(2, slots[:, :, None], True)
-            seen = seen.gather(1, parent_pos[:, :, None].expand(-1, -1, seen.shape[-1])) | own
-            seen[:, :, 0] |= slots == cache.scratch  # a row done drafting: its query sees slot 0, never nothing
+            # where each fed node is written and its position, [B, f'] each, known on the host: after the real
+            # entries and the levels fed before, where the row drafts a level below it; else the scratch slot
+            fed = [[(cache.lengths[row] + (level - 1) * k + j, cache.lengths[row] + level - 1) if level < gamma
+                    else (cache.scratch, 0) for j in range(beam.shape[1])] for row, gamma in enumerate(gammas)]
+            # a node sees what its parent saw and itself; a row done drafting sees slot 0, never nothing
+            marks = [(row, j, slot) for row, nodes in enumerate(fed) for j, (slot, _) in enumerate(nodes)]
+            marks += [(row, j, 0) for row, j, slot in marks if slot == cache.scratch]
+            (slots, positions), marks = on_device([[[n[i] for n in nodes] for nodes in fed] for i in (0, 1)],
+                                                  device).unbind(0), on_device(marks, device).unbind(1)
+            seen = seen.gather(1, parent_pos[:, :, None].expand(-1, -1, seen.shape[-1]))
+            seen[marks] = True
             h, logits = self.head.step(cache, self.head.draft_ids[tokens[-1].gather(1, beam)], g, slots,
                                        positions, visible=seen)
             logits = at_least_float32(logits)
@@ -297,10 +329,10 @@ class EagleDrafter:
 
     def _proposals(self, gammas, tokens, parents, scores, fed_logits, fed_of, node_q) -> list[Proposal]:
         """Per row: the `nodes` likeliest nodes no deeper than its γ, in level order (parents first),
-        with full-vocabulary q (what each node was drawn from; one-hot where node_q is None, the nodes
-        chosen) and logits (-inf outside the head's vocabulary): node j's are its fed node's, fed_logits[:, fed_of[j]]
+        with q (what each node was drawn from; one-hot where node_q is None, the nodes chosen) and logits on
+        the head's vocabulary (Proposal.columns): node j's are its fed node's, fed_logits[:, fed_of[j]]
         ([B, F, N], F fed nodes: each level's logits once, not once per child)."""
-        draft_ids, V = self.head.draft_ids, self.vocab_size
+        draft_ids = self.head.draft_ids
         depth = [level + 1 for level, t in enumerate(tokens) for _ in range(t.shape[1])]  # [M]
         tokens, parents, scores = (torch.cat(x, 1) for x in (tokens, parents, scores))
         node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
@@ -320,17 +352,15 @@ class EagleDrafter:
             row_parents = [renumber[int(node_parents[j])] if node_parents[j] >= 0 else -1 for j in keep]
             keep_scores = [node_probs[j] for j in keep]
             keep, fed = on_device([keep, [fed_of[j] for j in keep]], tokens.device, torch.long)
-            ids = draft_ids[tokens[row, keep]]
-            logits_full = fed_logits.new_full((budget, V), -math.inf)
-            logits_full.index_copy_(1, draft_ids, fed_logits[row, fed])
+            columns = tokens[row, keep]  # [budget] on the head's vocabulary
+            logits = fed_logits[row, fed]  # [budget, N]
             if node_q is None:  # chosen: one-hot
-                q_full = fed_logits.new_zeros(budget, V).scatter_(1, ids[:, None], 1.0)
+                q = torch.zeros_like(logits).scatter_(1, columns[:, None], 1.0)
             else:  # drawn: the rule needs the q each was drawn from
-                q_full = fed_logits.new_zeros(budget, V)
-                q_full.index_copy_(1, draft_ids, node_q[row, keep])
+                q = node_q[row, keep]
             tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
-            out.append(Proposal(ids, q_full, logits_full, parents=row_parents if tree else None,
-                                scores=keep_scores if tree else None))
+            out.append(Proposal(draft_ids[columns], q, logits, parents=row_parents if tree else None,
+                                scores=keep_scores if tree else None, columns=self.columns))
         return out
 
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
@@ -430,6 +460,7 @@ def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False)
     draw from its own q (sampling.py). A `drawn` tree (a sampled run's) must never lose a node for its
     value, or what is kept is no longer a draw from q (a likely token kept more often than q says): the
     chain is its own branch, shares nothing, and the tree's last nodes in level and draw order make room."""
+    tree = tree.widened()  # the chain's tokens may lie outside the tree drafter's own vocabulary
     parents, tokens = list(tree.tree), tree.tokens.tolist()
     scores = list(tree.scores) if tree.scores is not None else [1.0] * len(tokens)
     if drawn and budget:

@@ -19,11 +19,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from ..models import native
 from ..models.loading import ModelPair, encode_prompt
 from .drafters import (
+    Columns,
     Drafter,
     DraftModelDrafter,
     EagleDrafter,
@@ -188,13 +190,17 @@ def _top_tokens(p_show, q_show, asks, k, text, residual=None) -> list[list[TopTo
     position (p row, q row or None, chosen id, with the residual row or not); None as q row: nothing
     was drafted there (a bonus or a baseline step). Two top-k calls and one gather per value for
     the whole round, not a handful of small tensor calls per position."""
-    device, g = p_show.device, q_show.shape[0] if q_show is not None else 0
+    device, g = p_show.probs.device, q_show.probs.shape[0] if q_show is not None else 0
     # two reads for the round: the top k ids under p and q (-1 where q has no mass), then the values
-    tops = [torch.topk(p_show, k).indices]  # [g + 1, k]
+    parts = [p_show.top(k)[0]]  # [g + 1, k]
     if g:
-        q_values, q_ids = torch.topk(q_show, k)
-        tops.append(torch.where(q_values > 0, q_ids, -1))  # [g, k]
-    tops = torch.cat(tops).tolist()
+        q_ids, mass = q_show.top(k)
+        parts.append(torch.where(mass, q_ids, -1))  # [g, k'] (k' < k where the drafter's vocabulary is smaller)
+    flat, tops, at = torch.cat([t.flatten() for t in parts]).tolist(), [], 0
+    for t in parts:
+        for _ in range(t.shape[0]):
+            tops.append(flat[at : at + t.shape[1]])
+            at += t.shape[1]
     p_top, q_top = tops[: len(tops) - g], [[i for i in row if i >= 0] for row in tops[len(tops) - g :]]
     ids = [sorted({*p_top[p_row], chosen, *(q_top[q_row] if q_row is not None else ())})
            for p_row, q_row, chosen, _ in asks]
@@ -202,9 +208,9 @@ def _top_tokens(p_show, q_show, asks, k, text, residual=None) -> list[list[TopTo
     p_rows = [p_row for (p_row, *_), row in zip(asks, ids, strict=True) for _ in row]
     q_rows = [q_row or 0 for (_, q_row, *_), row in zip(asks, ids, strict=True) for _ in row]
     p_rows, q_rows, flat_d = on_device([p_rows, q_rows, flat], device)  # sent without a wait
-    values = [p_show[p_rows, flat_d]]
+    values = [p_show.at(p_rows, flat_d)]
     if g:
-        values.append(q_show[q_rows, flat_d])
+        values.append(q_show.at(q_rows, flat_d))
     if residual is not None:
         values.append(residual[flat_d])
     values = torch.cat(values).tolist()
@@ -298,28 +304,58 @@ def finish_reason(new: list[int], generated: int, max_new_tokens: int, eos_ids) 
     return "length" if generated >= max_new_tokens else None
 
 
-def _shown(proposal: Proposal, p_logits: torch.Tensor, p: torch.Tensor,
-           params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(p_show [g + 1, V], q_show [g, V]): what the viewer sees, the rule's p and q, or the plain softmax
-    when greedy."""
-    if params.greedy:
-        q_show = proposal.logits.softmax(-1) if proposal.logits is not None else proposal.q
-        return p_logits.softmax(-1), q_show
-    return p, proposal.q
+@dataclass
+class Shown:
+    """Rows of a distribution as the page reads them, at a few ids each: probabilities [R, V], or [R, N + 1]
+    over a drafter's own vocabulary (columns) and a last column of zeros, where every other id is read."""
+
+    probs: torch.Tensor
+    columns: Columns | None = None
+
+    @staticmethod
+    def of(probs: torch.Tensor, columns: Columns | None) -> Shown:
+        return Shown(probs if columns is None else F.pad(probs, (0, 1)), columns)
+
+    def _cols(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.columns is None else self.columns.of[ids]
+
+    def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The probability of ids in rows (index tensors broadcast together, as in probs[rows, ids])."""
+        return self.probs[rows, self._cols(ids)]
+
+    def every(self, ids: torch.Tensor) -> torch.Tensor:
+        """[R, n]: the probability of each of ids [n] at every row."""
+        return self.probs[:, self._cols(ids)]
+
+    def own(self, ids: torch.Tensor) -> torch.Tensor:
+        """[R]: row i's probability of ids[i]."""
+        return self.probs.gather(1, self._cols(ids)[:, None])[:, 0]
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [R, k'], whether each has mass): each row's k likeliest ids (k' = min(k, N))."""
+        probs = self.probs if self.columns is None else self.probs[:, :-1]
+        values, cols = native.topk(probs, min(k, probs.shape[-1]))
+        return (cols if self.columns is None else self.columns.ids[cols]), values > 0
 
 
-def _shown_reads(proposal: Proposal, p_show: torch.Tensor, q_show: torch.Tensor,
-                 best: torch.Tensor | None) -> torch.Tensor:
+def _shown(proposal: Proposal, p_logits: torch.Tensor, p: torch.Tensor, params: SamplingParams) -> tuple[Shown, Shown]:
+    """(p [g + 1 rows], q [g rows]): what the viewer sees, the rule's p and q, or the plain softmax when greedy
+    (over the drafter's own vocabulary where it has one: the same numbers, a fraction of the width)."""
+    q = proposal.logits.softmax(-1) if params.greedy and proposal.logits is not None else proposal.q
+    return Shown(p_logits.softmax(-1) if params.greedy else p), Shown.of(q, proposal.columns)
+
+
+def _shown_reads(proposal: Proposal, p_show: Shown, q_show: Shown, best: torch.Tensor | None) -> torch.Tensor:
     """The values shown for a round, as one float64 vector on the device: p of each drafted token at every
     row [g + 1, g] (its parent's row is picked on the host, so no index list goes to the device) and q of
-    each [g]. Greedy (best [g + 1]: each row's argmax of the rule's p), the extra token is some row's
+    each [g]. Greedy (best [g + 1]: each row's argmax of the target's logits), the extra token is some row's
     argmax, known before the walk ends: also its p at every row [g + 1] and q at every node [g, g + 1]."""
     drafts = proposal.tokens
-    values = [p_show[:, drafts].flatten(), q_show.gather(1, drafts[:, None]).flatten()]
+    values = [p_show.every(drafts).flatten(), q_show.own(drafts)]
     if best is not None:
-        values.append(p_show.gather(1, best[:, None]).flatten())
+        values.append(p_show.own(best))
         if drafts.numel():
-            values.append(q_show[:, best].flatten())
+            values.append(q_show.every(best).flatten())
     return torch.cat(values).double()
 
 
@@ -349,8 +385,8 @@ def _round_tokens(proposal, tokens, p_show, q_show, shown, verdict, path, stop_a
         p_extra = shown[at + end + 1]
         q_extra = shown[at + gamma + 1 + children[0] * (gamma + 1) + end + 1] if children else None
     elif extra_id is not None:  # drawn after the walk: one more read
-        values = [p_show[end + 1, extra_id : extra_id + 1]] + ([q_show[children[0], extra_id : extra_id + 1]]
-                                                                if children else [])
+        at = on_device([end + 1, children[0] if children else 0, extra_id], proposal.tokens.device)
+        values = [p_show.at(at[:1], at[2:])] + ([q_show.at(at[1:2], at[2:])] if children else [])
         p_extra, *q_extra = torch.cat(values).tolist()
         q_extra = q_extra[0] if q_extra else None
     tops = [[] for _ in range(gamma + 1)]
@@ -500,8 +536,12 @@ def decode(
         base = target.width
         verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
         best = native.argmax(verify.logits) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the test
-        p_all = logits_to_probs(verify.logits, params, best)  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i)
-        ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
+        if params.greedy:  # the rule reads neither p nor q: only the drafts and each row's argmax
+            ps = [verify.logits[i, : g + 1] for i, g in enumerate(drafted)]
+        else:  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i); q over the whole vocabulary too
+            p_all = logits_to_probs(verify.logits, params)
+            ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
+            proposals = [prop.widened() for prop in proposals]
         bests = [None if best is None else best[i, : g + 1] for i, g in enumerate(drafted)]
         shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
                  for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]

@@ -893,3 +893,46 @@ void specviz_argmax_f32(const float *x, int64_t rows, int64_t n, int64_t *out)
         out[r] = at;
     }
 }
+
+/* Whether a ranks above b: a larger number, or a NaN over a number (torch's order: a NaN is the largest). */
+static inline int above(float a, float b)
+{
+    return a != a ? b == b : a > b;
+}
+
+/* The k largest values of each row of x [rows, n] float32 (rows `stride` apart; 1 <= k <= n), largest first, into
+   values [rows, k] and
+   index [rows, k]: torch.topk's (a NaN counts as the largest; of equal values the first index comes first, where
+   torch leaves the order open). What the inspector lists at each drafted position. A row is read once, 8 lanes at
+   a time against the k-th largest so far, and the few values above it go into a sorted list of k: ATen's topk
+   over a 49,152-token row costs several times as much. */
+void specviz_topk_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t k, float *values,
+                      int64_t *index)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        float *val = values + r * k;
+        int64_t *at = index + r * k, have = 0;
+        for (int64_t i = 0; i < n;) {
+            int64_t stop = i + 8 <= n ? i + 8 : n;
+            if (have == k && stop - i == 8 /* none of 8 above the k-th (NLE_UQ: a NaN is never passed over) */
+                && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(val[k - 1]),
+                                                     _CMP_NLE_UQ))) {
+                i = stop;
+                continue;
+            }
+            for (; i < stop; i++) {
+                float v = row[i];
+                if (have == k && !above(v, val[k - 1]))
+                    continue;
+                int64_t j = have < k ? have++ : k - 1; /* a full list drops its last */
+                for (; j > 0 && above(v, val[j - 1]); j--) {
+                    val[j] = val[j - 1];
+                    at[j] = at[j - 1];
+                }
+                val[j] = v;
+                at[j] = i;
+            }
+        }
+    }
+}
