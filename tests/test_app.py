@@ -2,8 +2,11 @@
 
 import html
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 
 import pytest
 from gradio_client import Client
@@ -165,12 +168,30 @@ def test_the_app_leaves_a_core_to_a_browser_on_this_machine(monkeypatch):
         assert "a Space" in page.share_the_cores() and torch.get_num_threads() == 4
         monkeypatch.setenv("SPECVIZ_THREADS", "2")
         assert "SPECVIZ_THREADS" in page.share_the_cores() and torch.get_num_threads() == 2
-        for bad in ("0", "two"):
+        for bad in ("0", "two", "1.5"):
             monkeypatch.setenv("SPECVIZ_THREADS", bad)
-            with pytest.raises(ValueError, match="SPECVIZ_THREADS"):
+            with pytest.raises(SystemExit, match=f"SPECVIZ_THREADS must be a whole number of at least 1, got '{bad}'"):
                 page.share_the_cores()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_bad_app_setting_stops_the_app_with_one_line_not_a_traceback():
+    """The app's numeric environment settings are read when the page module loads: a value that is not a number of
+    the right kind stops it with one line naming the variable and the value (it raised Python's ValueError from
+    float() with a traceback); good values and empty ones load."""
+    def load(**env):
+        return subprocess.run([sys.executable, "-c", "import specviz.ui.page as p; print(p.UPDATE_S, p.CHARTS_S)"],
+                              capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+
+    for name, bad, kind in [("SPECVIZ_UPDATE_S", "fast", "a number of at least 0"),
+                            ("SPECVIZ_CHARTS_S", "-1", "a number of at least 0"),
+                            ("SPECVIZ_TIME_LIMIT_S", "nan", "a number of at least 0"),
+                            ("SPECVIZ_QUEUE_SIZE", "0", "a whole number of at least 1")]:
+        done = load(**{name: bad})
+        assert done.returncode == 1 and done.stderr.strip() == f"{name} must be {kind}, got '{bad}'", done.stderr
+    done = load(SPECVIZ_UPDATE_S="0.5", SPECVIZ_CHARTS_S="")
+    assert done.returncode == 0 and done.stdout.split() == ["0.5", "1.0"], done.stderr
 
 
 def test_batch_streams_one_row_per_prompt(app_url):

@@ -44,7 +44,25 @@ POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on
                   ("expected speedup (from measured α and costs)", "expected")]
 CACHE_CHOICES = [("static (pre-allocated; rollback moves a length)", "static"),
                  ("dynamic (transformers' DynamicCache)", "dynamic"), ("none (recompute everything)", "none")]
-QUEUE_SIZE = int(os.environ.get("SPECVIZ_QUEUE_SIZE", "16"))
+
+
+def setting(name: str, default: float, whole: bool = False, least: float = 0) -> float:
+    """The environment variable `name` as a number of at least `least` (a whole one where `whole`), or `default`
+    where it is unset or empty; a value that is neither stops the app with one line saying so, not a traceback."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text) if whole else float(text)
+    except ValueError:
+        value = None
+    if value is None or value != value or value in (float("inf"), float("-inf")) or value < least:
+        kind = "a whole number" if whole else "a number"
+        raise SystemExit(f"{name} must be {kind} of at least {least:g}, got {text!r}")
+    return value
+
+
+QUEUE_SIZE = setting("SPECVIZ_QUEUE_SIZE", 16, whole=True, least=1)
 # Public mode (on in the Docker image): presets only, and caps on what one request may ask for.
 PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", "no")
 MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
@@ -55,11 +73,11 @@ GAMMA_MAX_ADAPTIVE = min(16, MAX_GAMMA_UI)  # the cap an adaptive policy grows t
 MAX_BATCH_UI = 4 if PUBLIC else 8
 MAX_SAMPLES_UI = 2000 if PUBLIC else 20_000
 BATCH_SEPARATOR = "---"
-TIME_LIMIT_S = float(os.environ.get("SPECVIZ_TIME_LIMIT_S", "120" if PUBLIC else "0"))  # 0: none
-UPDATE_S = float(os.environ.get("SPECVIZ_UPDATE_S") or 0.25)  # the page drawn at most this often in a run (0: always)
+TIME_LIMIT_S = setting("SPECVIZ_TIME_LIMIT_S", 120 if PUBLIC else 0)  # 0: none
+UPDATE_S = setting("SPECVIZ_UPDATE_S", 0.25)  # the page drawn at most this often in a run (0: always)
 # the five charts under the streams redrawn at most this often in a run, and at each run's last round (0: with the
 # page): each redraw is a Plotly layout in the browser, which shares the CPU with the decode (`bench-page --charts-s`)
-CHARTS_S = float(os.environ.get("SPECVIZ_CHARTS_S") or 1.0)
+CHARTS_S = setting("SPECVIZ_CHARTS_S", 1.0)
 FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 log = logging.getLogger("specviz")
@@ -74,16 +92,13 @@ def share_the_cores() -> str:
     sets the count."""
     import torch
 
-    asked = os.environ.get("SPECVIZ_THREADS", "").strip()
-    if asked:
-        threads, why = int(asked) if asked.isdigit() else 0, "SPECVIZ_THREADS"
+    if asked := setting("SPECVIZ_THREADS", 0, whole=True, least=1):
+        threads, why = asked, "SPECVIZ_THREADS"
     elif PUBLIC or os.environ.get("SPACE_ID"):
         threads, why = torch.get_num_threads(), "public mode or a Space: browsers elsewhere"
     else:
         threads = max(1, torch.get_num_threads() - 1)
         why = "one core left to a browser on this machine and the server (SPECVIZ_THREADS to change)"
-    if threads < 1:
-        raise ValueError(f"SPECVIZ_THREADS must be a whole number of at least 1, got {asked!r}")
     torch.set_num_threads(threads)
     return f"decoding on {threads} thread{'s' if threads > 1 else ''}: {why}"
 
