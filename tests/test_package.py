@@ -71,7 +71,7 @@ def test_pip_install_into_a_fresh_venv_gives_a_working_specviz_command(tmp_path)
             "print(n.SOURCE if n.SOURCE.is_file() else 'no-kernel-source')")
     where = subprocess.run([python, "-c", show], capture_output=True, text=True, env=env, cwd=tmp_path).stdout.split()
     assert len(where) == 3 and all(path.startswith(fresh_site) for path in where), where  # the copy, assets, C source
-    run = subprocess.run([command, "generate", "--prompt", "The future of AI", "--max-new-tokens", "6",
+    run = subprocess.run([command, "generate", "The future of AI", "--max-new-tokens", "6",
                           "--color", "never"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "speculative: 6 tokens" in run.stdout and "EAGLE head eagle-smollm2-135m" in run.stdout

@@ -82,6 +82,8 @@ def test_mismatched_tokenizers_name_both_models_and_the_token(tmp_path, pattern_
     "argv, message",
     [
         (["--prompt", ""], "prompt is empty"),
+        ([], "no prompt: give one"),
+        ([""], "prompt is empty"),  # as a positional argument too
         (["--prompt", "hi", "--gamma", "0"], "gamma"),
         (["--prompt", "hi", "--max-new-tokens", "100000"], "max_new_tokens"),
         (["--prompt", "hi", "--top-p", "0"], "top_p"),

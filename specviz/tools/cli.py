@@ -49,7 +49,8 @@ def _preset(args: argparse.Namespace) -> str | None:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate with speculative decoding and show every round")
-    g.add_argument("--prompt", required=True, action="append",
+    g.add_argument("text", nargs="*", metavar="PROMPT", help="the prompt, as --prompt")
+    g.add_argument("--prompt", action="append", default=[],
                    help="the prompt; give it several times to decode a batch (one stream per prompt)")
     _add_pair(g)
     g.add_argument("--gamma", type=int,
@@ -113,6 +114,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         nodes=args.nodes if args.nodes is not None else first_run.nodes,
     )
     settings.validate()
+    args.prompt = args.text + args.prompt
+    if not args.prompt:
+        raise ValueError('no prompt: give one, python -m specviz generate "TEXT" (or --prompt TEXT; several for a '
+                         'batch)')
     for prompt in args.prompt:
         validate_prompt(prompt)
     if len(args.prompt) > MAX_BATCH:
