@@ -272,7 +272,7 @@ class EagleDrafter:
         if sampled and self.nodes:  # k nodes a level, the first `nodes` kept: no level past them
             depth = min(depth, -(-self.nodes // k))
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
-        rows, lengths = len(seqs), on_device(cache.lengths, device)  # [B]: entries
+        rows, (lengths, drafting) = len(seqs), on_device([cache.lengths, gammas], device)  # [B] each: entries, γ
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
         seen = (cache.slot_index < lengths[:, None])[:, None]
         # per level: [B, n] ids (on the head's vocabulary), parents, log scores, [B, n, N] q; [B, f, N] logits of
@@ -310,17 +310,14 @@ class EagleDrafter:
             beam_ids, fed_score = beam + first, scores[-1].gather(1, beam)
             parent_pos = beam // picks.shape[-1]  # which fed node each beam node hangs from, [B, f']
             g = h.gather(1, parent_pos[:, :, None].expand(-1, -1, h.shape[-1]))
-            # where each fed node is written and its position, [B, f'] each, known on the host: after the real
-            # entries and the levels fed before, where the row drafts a level below it; else the scratch slot
-            fed = [[(cache.lengths[row] + (level - 1) * k + j, cache.lengths[row] + level - 1) if level < gamma
-                    else (cache.scratch, 0) for j in range(beam.shape[1])] for row, gamma in enumerate(gammas)]
-            # a node sees what its parent saw and itself; a row done drafting sees slot 0, never nothing
-            marks = [(row, j, slot) for row, nodes in enumerate(fed) for j, (slot, _) in enumerate(nodes)]
-            marks += [(row, j, 0) for row, j, slot in marks if slot == cache.scratch]
-            (slots, positions), marks = on_device([[[n[i] for n in nodes] for nodes in fed] for i in (0, 1)],
-                                                  device).unbind(0), on_device(marks, device).unbind(1)
-            seen = seen.gather(1, parent_pos[:, :, None].expand(-1, -1, seen.shape[-1]))
-            seen[marks] = True
+            slots = lengths[:, None] + (level - 1) * k + torch.arange(beam.shape[1], device=device)  # [B, f']
+            # a node is fed only where the row drafts a level below it
+            slots = torch.where((level < drafting)[:, None], slots, cache.scratch)
+            positions = torch.where(slots == cache.scratch, 0, lengths[:, None] + level - 1)
+            own = torch.zeros(rows, beam.shape[1], cache.scratch + 1, dtype=torch.bool, device=device)
+            own.scatter_(2, slots[:, :, None], True)
+            seen = seen.gather(1, parent_pos[:, :, None].expand(-1, -1, seen.shape[-1])) | own
+            seen[:, :, 0] |= slots == cache.scratch  # a row done drafting: its query sees slot 0, never nothing
             h, logits = self.head.step(cache, self.head.draft_ids[tokens[-1].gather(1, beam)], g, slots,
                                        positions, visible=seen)
             logits = at_least_float32(logits)

@@ -190,7 +190,7 @@ def _top_tokens(p_show, q_show, asks, k, text, residual=None) -> list[list[TopTo
     position (p row, q row or None, chosen id, with the residual row or not); None as q row: nothing
     was drafted there (a bonus or a baseline step). Two top-k calls and one gather per value for
     the whole round, not a handful of small tensor calls per position."""
-    device, g = p_show.probs.device, q_show.probs.shape[0] if q_show is not None else 0
+    device, g = p_show.probs.device, q_show.probs.shape[0]
     # two reads for the round: the top k ids under p and q (-1 where q has no mass), then the values
     parts = [p_show.top(k)[0]]  # [g + 1, k]
     if g:

@@ -901,11 +901,10 @@ static inline int above(float a, float b)
 }
 
 /* The k largest values of each row of x [rows, n] float32 (rows `stride` apart; 1 <= k <= n), largest first, into
-   values [rows, k] and
-   index [rows, k]: torch.topk's (a NaN counts as the largest; of equal values the first index comes first, where
-   torch leaves the order open). What the inspector lists at each drafted position. A row is read once, 8 lanes at
-   a time against the k-th largest so far, and the few values above it go into a sorted list of k: ATen's topk
-   over a 49,152-token row costs several times as much. */
+   values [rows, k] and index [rows, k]: torch.topk's (a NaN counts as the largest; of equal values the first index
+   comes first, where torch leaves the order open). What the inspector lists at each drafted position. A row is
+   read once, 8 lanes at a time against the k-th largest so far, and the few values above it go into a sorted list
+   of k: ATen's topk over a 49,152-token row costs several times as much. */
 void specviz_topk_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t k, float *values,
                       int64_t *index)
 {
