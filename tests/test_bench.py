@@ -67,3 +67,24 @@ def test_a_sampled_setting_runs_once_per_seed_and_greedy_once(pattern_pair):
                       progress=lambda m: None, drafters=("model",), policies=(), seeds=3)
     assert [(r.temperature, r.seed) for r in rows] == [(0.0, 0), (1.0, 0), (1.0, 1), (1.0, 2)]
     assert "| count | w1 w2 w3 | 1 | 2 | model | 2 |" in markdown_table(rows)  # T, seed, drafter, γ
+
+
+def test_record_top_times_the_runs_as_the_page_records_them(pattern_pair, monkeypatch):
+    """bench --record-top: every specviz run it times (and warms up), speculative and baseline, records that many
+    candidates a position, as the app's runs do; by default none (the decode alone)."""
+    from specviz.core import generator
+    from specviz.tools.bench import bench_pair
+
+    seen = []
+
+    def spy(pair, prompt, settings, *args, **kwargs):
+        seen.append((kwargs.get("mode", args[0] if args else "speculative"), settings.record_top))
+        return real(pair, prompt, settings, *args, **kwargs)
+
+    real = generator.generate
+    monkeypatch.setattr(generator, "generate", spy)
+    for record_top in (0, 3):
+        seen.clear()
+        bench_pair(pattern_pair("llama"), {"count": ["w1 w2 w3"]}, [2], [0.0], 6, 1, with_hf=False,
+                   progress=lambda m: None, drafters=("model",), policies=(), record_top=record_top)
+        assert {mode for mode, _ in seen} == {"speculative", "baseline"} and {top for _, top in seen} == {record_top}

@@ -257,7 +257,7 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                drafters: tuple[str, ...] = ("model", "lookup"), lookup_gammas: list[int] | None = None,
                policies: tuple[str, ...] = ("grow-shrink", "expected"), cache: str = "static",
                compile: bool = False, eagle_gammas: list[int] | None = None, seeds: int = 1,
-               trees: list[tuple[int, int, int]] = ()) -> list[BenchRow]:
+               trees: list[tuple[int, int, int]] = (), record_top: int = 0) -> list[BenchRow]:
     """Per prompt and temperature, `repeats` blocks, each timing back to back: HF plain `generate`,
     specviz's baseline, then every setting (each drafter over its γ sweep with HF's assisted
     generation or prompt lookup at the same γ, then each adaptive policy with its defaults).
@@ -265,7 +265,8 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     and their median reported. A temperature above 0 runs each prompt with seeds 0..seeds-1, a
     row each: two drafters decode different samples, and a median over a few prompts' single
     samples says more about those texts than about the drafters. Each head drafter also runs every
-    tree shape (γ, branch, nodes) in `trees`."""
+    tree shape (γ, branch, nodes) in `trees`. record_top: the candidates specviz's runs (speculative and
+    baseline) record per position, as the app's do; 0 times the decode alone."""
     from ..core.generator import generate
     from ..models.loading import encode_prompt
     from .syncs import SyncCounter
@@ -284,19 +285,20 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     first = next(iter(prompts.values()))[0]
     for drafter in drafters:  # warm-up: first calls of every kernel and path (and every compiled width)
         for gamma in sweep[drafter]:
-            generate(pair, first, Settings(gamma=gamma, max_new_tokens=gamma + 4, record_top=0, drafter=drafter,
-                                           cache=cache, compile=compile))
+            generate(pair, first, Settings(gamma=gamma, max_new_tokens=gamma + 4, record_top=record_top,
+                                           drafter=drafter, cache=cache, compile=compile))
         for gamma, branch, nodes in trees if drafter in HEAD_DRAFTERS else ():
             generate(pair, first, Settings(gamma=gamma, branch=branch, nodes=nodes, max_new_tokens=gamma + 4,
-                                           record_top=0, drafter=drafter, cache=cache, compile=compile))
-    generate(pair, first, Settings(max_new_tokens=8, record_top=0, cache=cache, compile=compile), mode="baseline")
+                                           record_top=record_top, drafter=drafter, cache=cache, compile=compile))
+    generate(pair, first, Settings(max_new_tokens=8, record_top=record_top, cache=cache, compile=compile),
+             mode="baseline")
     rows = []
     for category, texts in prompts.items():
         for prompt in texts:
             prompt_ids = encode_prompt(pair.tokenizer, prompt)
             for temperature, seed in [(t, s) for t in temperatures for s in range(seeds if t > 0 else 1)]:
                 base_settings = Settings(gamma=1, temperature=temperature, max_new_tokens=max_new_tokens,
-                                         record_top=0, cache=cache, compile=compile, seed=seed)
+                                         record_top=record_top, cache=cache, compile=compile, seed=seed)
                 settings_list = [replace(base_settings, gamma=g, drafter=d) for d in drafters for g in sweep[d]]
                 settings_list += [replace(base_settings, gamma=g, branch=k, nodes=n, drafter=d)
                                   for d in drafters if d in HEAD_DRAFTERS for g, k, n in trees]

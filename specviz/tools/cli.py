@@ -459,6 +459,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "sample; the medians then go over prompts and seeds)")
     b.add_argument("--batch", type=int, default=4,
                    help="also time a batch of this many prompts against them one after another (0: skip)")
+    b.add_argument("--record-top", type=int, default=0,
+                   help="candidates each timed run records per position for the inspector, as the app and generate "
+                        "do (8 there): what the page's own reading pays (default 0: the decode alone)")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation and prompt lookup")
     b.add_argument("--quick", action="store_true",
                    help="smoke test: 2 prompts, γ 3, greedy, 16 tokens, 1 repeat, 'expected' policy, batch of 2")
@@ -540,7 +543,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
                       progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
                       lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache, compile=args.compile,
-                      eagle_gammas=eagle_gammas, seeds=args.seeds, trees=trees)
+                      eagle_gammas=eagle_gammas, seeds=args.seeds, trees=trees, record_top=args.record_top)
     write_results(rows, environment(pair, taken()), args.out, command, steps=steps)  # kept if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...
