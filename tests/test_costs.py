@@ -98,6 +98,9 @@ def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampl
     flat.tree_ms[costs.tree_key("eagle", (4, 4, 8))] = flat.tree_ms[costs.tree_key("eagle", (4, 4, 8), True)] = 4.0
     greedy, sampled = rank(flat, preset.taus())[0], rank(flat, preset.taus(sampled=True), sampled=True)[0]
     assert (greedy.shape, sampled.shape) == ((4, 4, 8), (2, 1, 0))
+    # the line says which τ the expectation assumes: a prompt that keeps fewer tokens a round gains less
+    assert "at the 2.40 tokens a round it keeps on a median benchmark prompt" in costs.describe(greedy, flat)
+    assert "at the 1.60 tokens a round" in costs.describe(sampled, flat)
 
     monkeypatch.setattr(page, "_MACHINE_CHOICES", {("p", False): (greedy, flat), ("p", True): (sampled, flat)})
     drafter, gamma, branch, nodes, note = page.first_run_values("p")

@@ -105,6 +105,7 @@ class Choice:
     expected: float  # S(d, γ), expected speedup over plain decoding on this machine
     branch: int = 1  # a tree's children per node (1: a chain)
     nodes: int = 0  # a tree's drafts verified per round (0: all)
+    tokens_per_round: float = field(default=0.0, compare=False)  # the τ `expected` assumes (the preset's, measured)
 
     @property
     def shape(self) -> Shape:
@@ -132,7 +133,7 @@ def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round:
 def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False) -> list[Choice]:
     """Every (drafter, shape) with a measured τ and a measured cost, best first (τ and tree rounds
     measured sampling where `sampled`)."""
-    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau, sampled), shape[1], shape[2])
+    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau, sampled), shape[1], shape[2], tau)
                for d, by_shape in tokens_per_round.items() if d in costs.draft_ms
                for shape, tau in by_shape.items()
                if (shape[1] == 1 and shape[0] + 1 <= MAX_WIDTH) or tree_key(d, shape, sampled) in costs.tree_ms]
@@ -329,4 +330,11 @@ def describe(choice: Choice, costs: Costs) -> str:
     return (note(choice, costs) or (
         f"chosen for this machine: {choice.text}, expected {choice.expected:.2f}x over "
         f"plain decoding (a verify of {k} tokens costs {costs.c(k):.2f} one-token steps of "
-        f"{costs.forward_ms[1]:.1f} ms here).")) + busy
+        f"{costs.forward_ms[1]:.1f} ms here{held(choice)}).")) + busy
+
+
+def held(choice: Choice) -> str:
+    """Where the expectation's τ comes from: a text that keeps fewer tokens a round is sped up less."""
+    if not choice.tokens_per_round:
+        return ""
+    return f", at the {choice.tokens_per_round:.2f} tokens a round it keeps on a median benchmark prompt"
