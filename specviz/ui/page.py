@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -56,7 +57,7 @@ def setting(name: str, default: float, whole: bool = False, least: float = 0) ->
         value = int(text) if whole else float(text)
     except ValueError:
         value = None
-    if value is None or value != value or value in (float("inf"), float("-inf")) or value < least:
+    if value is None or not math.isfinite(value) or value < least:
         kind = "a whole number" if whole else "a number"
         raise SystemExit(f"{name} must be {kind} of at least {least:g}, got {text!r}")
     return value
