@@ -109,6 +109,31 @@ TEMPLATES = [
     "why people find it interesting, which we will now discuss one by one.",
     "Turn these notes into a short paragraph: {t}; why it matters; one surprising fact; where to learn more.",
     "Reply to this message from a friend: hey, do you know anything about {t}? I have to give a talk on it.",
+    # fourth ring: more of each kind, and lists, tables, plans and longer code
+    "The secret of {t}",
+    "Lyrics for a folk song about {t}",
+    "My thoughts on {t}",
+    "How can I stay motivated while learning about {t}?",
+    "What is the best way to explain {t} to my grandparents?",
+    "I have one free afternoon. How could I spend it on {t}?",
+    "Write a Python function that reads a CSV file of {t} records and returns the number of rows.",
+    "Write a Python generator that yields the words of a text about {t}, one at a time.",
+    "Write a JavaScript function that turns a list of facts about {t} into an HTML list.",
+    "Write a shell command that finds every file whose name mentions {t}.",
+    "Explain what this code does:\n\nnames = ['{t}', 'other']\nprint(sorted(names, key=len))",
+    "Fix the bug in this code:\n\nfor i in range(3)\n    print('{t}', i)",
+    "Add type hints to this code:\n\ndef label(name, count):\n    return f'{{name}} ({{count}}): {t}'",
+    "Rewrite this sentence in the passive voice: the committee discussed {t} for three hours.",
+    "Correct the grammar in this sentence: me and my friend goes to learn about {t} every weeks.",
+    "Make this sentence simpler: the phenomenon of {t} exhibits a multiplicity of interrelated characteristics.",
+    "Turn this into a bulleted list: {t} is old, it is useful, it is misunderstood and it is changing.",
+    "Write a short FAQ about {t}.",
+    "Make a table of three facts about {t}, with a source type for each.",
+    "Plan a one-week project about {t} for a school club.",
+    "Write a riddle whose answer is {t}.",
+    "Summarise a debate for and against {t} in four sentences.",
+    "Write the opening paragraph of a novel set around {t}.",
+    "Give a two-minute talk outline on {t}.",
 ]
 
 TOPICS = [
@@ -137,11 +162,22 @@ TOPICS = [
     "elephants", "sharks", "owls", "butterflies", "the Moon", "Mars", "comets", "the Sahara", "rivers",
     "lighthouses", "castles", "windmills", "the Industrial Revolution", "the telephone", "paper", "maps",
     "first aid", "healthy breakfasts", "running shoes", "a birthday party",
+    # fourth ring (see training_prompts)
+    "rain gardens", "the Roman aqueducts", "jellyfish", "the metric system", "calligraphy", "kites", "tides",
+    "the printing of money", "honey", "lichen", "a night market", "the postal service", "electric trains",
+    "a mountain village", "seahorses", "cheese making", "the Hubble telescope", "frogs", "a school garden",
+    "sign language", "wildfires", "the piano", "ice skating", "a secondhand bookshop", "red pandas",
+    "bridges", "the Mediterranean diet", "tidal energy", "tree rings", "the compass", "volunteering",
+    "caching", "binary trees", "async programming", "command-line tools", "data visualisation", "encryption",
+    "memory leaks", "code reviews", "API rate limits", "queues", "floating-point numbers", "Unicode",
+    "a farmers' market", "night shifts", "a family reunion", "saving money", "learning to swim",
+    "a camping trip", "houseplants", "street art", "a jazz club", "snowflakes", "the Great Barrier Reef",
+    "hummingbirds", "the Andes", "a train station", "the Eiffel Tower", "letter writing", "a thunderstorm at sea",
 ]
 
 
-# (templates, topics) each ring spans: ring 2 is the first 52 templates x TOPICS less ring 1, ring 3 the rest
-RINGS = ((32, 95), (52, len(TOPICS)), (len(TEMPLATES), len(TOPICS)))
+# (templates, topics) each ring spans: ring 2 is the first 52 templates x the first 155 topics less ring 1, and so on
+RINGS = ((32, 95), (52, 155), (72, 155), (len(TEMPLATES), len(TOPICS)))
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:
