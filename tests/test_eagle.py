@@ -73,6 +73,40 @@ def test_a_bigger_distill_reuses_the_answers_in_its_data_file(pattern_dirs, tmp_
 
 
 @pytest.mark.slow
+def test_a_stopped_distill_keeps_the_answers_it_saved_and_the_next_run_goes_on(pattern_dirs, tmp_path, monkeypatch):
+    """With a data file, answers are saved after each part (parts as large as what is saved, at least SAVE_EVERY
+    prompts): a run stopped in its second part leaves the first part's answers, whole, and no partial file; the next
+    run answers only the rest."""
+    target, _ = pattern_dirs("llama")
+    (tmp_path / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(8)))
+    monkeypatch.setattr(distill, "SAVE_EVERY", 3)
+    answered, stop = [], [True]
+    generate = distill.generate_feature_data
+
+    def spy(target, tokenizer, prompts, *rest):
+        if stop[0] and answered:
+            raise KeyboardInterrupt
+        answered.append(prompts)
+        return generate(target, tokenizer, prompts, *rest)
+
+    monkeypatch.setattr(distill, "generate_feature_data", spy)
+    data = tmp_path / "data.pt"
+    cfg = dataclasses.replace(tiny_config(target, tmp_path / "head", str(data)), prompts=8, max_steps=1)
+    with pytest.raises(KeyboardInterrupt):
+        distill_eagle(cfg, progress=lambda m: None)
+    first = torch.load(data, weights_only=True)
+    assert [len(p) for p in answered] == [3] and len(first["jobs"]) == 3 * 2  # two temperatures
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("data")] == ["data.pt"]
+    stop[0] = False
+    distill_eagle(cfg, progress=lambda m: None)
+    saved = torch.load(data, weights_only=True)
+    assert [len(p) for p in answered] == [3, 3, 2] and not set(answered[0]) & set(answered[1] + answered[2])
+    assert saved["jobs"][:6] == first["jobs"] and len(saved["jobs"]) == 8 * 2
+    for old, kept in zip(first["samples"], saved["samples"], strict=False):
+        assert old["ids"] == kept["ids"] and torch.equal(old["features"], kept["features"])
+
+
+@pytest.mark.slow
 def test_init_goes_on_training_a_head_from_its_weights_and_vocabulary(pattern_dirs, eagle_dirs, tmp_path):
     """distill --init: the earlier head's weights and draft vocabulary are where training starts (with a learning
     rate of 0 the saved head is the earlier one, bit for bit, with its vocabulary of DRAFT_VOCAB ids where a new head

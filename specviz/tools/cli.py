@@ -394,7 +394,8 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
         d.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
     d.add_argument("--temperatures", default=",".join(f"{t:g}" for t in defaults.temperatures),
                    help="eagle: answer each prompt once at each of these temperatures (0: greedy)")
-    d.add_argument("--data-file", help="eagle: reuse the generated data from this file, or save it there")
+    d.add_argument("--data-file", help="eagle: reuse the generated data from this file, and save it there as it "
+                   "is made (a stopped run keeps what it answered)")
     d.add_argument("--prompts-file", help="one training prompt per line, or a .json list of prompt strings "
                    "(default: the built-in set)")
     d.add_argument("--init", metavar="DIR", help="eagle: go on training this head on the new data (its draft "

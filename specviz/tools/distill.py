@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -425,13 +426,17 @@ def evaluate(draft, samples: list[Sample], vocab_size: int, device) -> dict:
             "tokens": totals["tokens"]}
 
 
+SAVE_EVERY = 1024  # prompts answered, at least, between two saves of a data file
+
+
 def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str], vocab_size: int,
                       progress: Progress) -> tuple[list[FeatureSample], float]:
     """The feature data, grouped by prompt as generate_feature_data gives it. cfg.data_file, when
     given, keeps every answer made so far, keyed by (prompt, temperature): answers found there are
-    reused, only the missing prompts are answered, and the file is saved again with all of them (so a
-    run with more prompts extends the data of an earlier run). Returns the samples and the seconds
-    spent generating all of them, earlier runs' included."""
+    reused, only the missing prompts are answered, and the file is saved again with all of them after
+    each part (so a run with more prompts extends the data of an earlier run, and one that is stopped
+    keeps what it answered). Returns the samples and the seconds spent generating all of them, earlier
+    runs' included."""
     path = Path(cfg.data_file) if cfg.data_file else None
     known: dict[tuple[str, float], dict] = {}
     earlier_s = 0.0
@@ -445,14 +450,24 @@ def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str],
     if path:
         progress(f"data: {len(prompts) - len(missing)} of {len(prompts)} prompts' answers found in {path}")
     t0 = time.perf_counter()
-    if missing:
-        made = generate_feature_data(target, tokenizer, missing, cfg, vocab_size, progress)
-        jobs = [(p, float(t)) for p in missing for t in cfg.temperatures]
-        known.update(zip(jobs, (asdict(s) for s in made), strict=True))
+    done = 0
+    while done < len(missing):
+        # with a file, saved after each part, so a stopped run keeps what it answered; parts grow with the data
+        # (each at least as large as what is saved), so rewriting the file costs at most about twice its final size
+        part = max(SAVE_EVERY, len(known) // len(cfg.temperatures)) if path else len(missing)
+        batch = missing[done : done + part]
+        made = generate_feature_data(target, tokenizer, batch, cfg, vocab_size, progress)
+        known.update(zip([(p, float(t)) for p in batch for t in cfg.temperatures], (asdict(s) for s in made),
+                         strict=True))
+        done += len(batch)
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            seconds = round(earlier_s + time.perf_counter() - t0, 1)
+            partial = path.with_name(path.name + ".partial")  # replaced whole: a save cut short loses nothing
+            torch.save({"jobs": list(known), "samples": list(known.values()), "generation_s": seconds}, partial)
+            os.replace(partial, path)
+            progress(f"data: {len(prompts) - len(missing) + done} of {len(prompts)} prompts' answers saved in {path}")
     seconds = round(earlier_s + time.perf_counter() - t0, 1)
-    if path and missing:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"jobs": list(known), "samples": list(known.values()), "generation_s": seconds}, path)
     return [FeatureSample(**known[(p, float(t))]) for p in prompts for t in cfg.temperatures], seconds
 
 
