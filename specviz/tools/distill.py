@@ -455,11 +455,11 @@ def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str],
         # with a file, saved after each part, so a stopped run keeps what it answered; parts grow with the data
         # (each at least as large as what is saved), so rewriting the file costs at most about twice its final size
         part = max(SAVE_EVERY, len(known) // len(cfg.temperatures)) if path else len(missing)
-        batch = missing[done : done + part]
-        made = generate_feature_data(target, tokenizer, batch, cfg, vocab_size, progress)
-        known.update(zip([(p, float(t)) for p in batch for t in cfg.temperatures], (asdict(s) for s in made),
+        todo = missing[done : done + part]
+        made = generate_feature_data(target, tokenizer, todo, cfg, vocab_size, progress)
+        known.update(zip([(p, float(t)) for p in todo for t in cfg.temperatures], (asdict(s) for s in made),
                          strict=True))
-        done += len(batch)
+        done += len(todo)
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             seconds = round(earlier_s + time.perf_counter() - t0, 1)
