@@ -648,8 +648,8 @@ def test_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(r
         assert [ps(r) for r in batch] == [ps(r) for r in alone]
     lean = LeanLlama.of(pair.target)
     assert {p for lin in lean.linears() for p in lin.paths.values()} == {"avx2"}
-    # float32: the layers ran in one call at every row count; bf16 through `avx2` layer by layer (C attention)
-    assert lean.native_plans and all(lean.native_plans.values()) == (dtype == torch.float32)
+    # the layers ran in one call at every row count (bf16: `avx2` widening its numbers to float32 there)
+    assert lean.native_plans and all(lean.native_plans.values())
     # what `specviz check` reads off the run: every row computed alone here, not with another cache or product
     static, dynamic = (check.Case("eagle", 3, 2, 4, cache, False, 0.0) for cache in ("static", "dynamic"))
     assert check.row_alone(pair, static) and not check.row_alone(pair, dynamic)
@@ -737,18 +737,21 @@ def test_the_c_topk_is_torchs():
     assert torch.equal(native.topk(wide, 65)[0], torch.topk(wide, 65).values)
 
 
-def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch, tmp_path):
-    """bf16 on a CPU where every product of the layers takes the pair kernel: the layers run as one C call
-    (native.layers) and give the layer-by-layer path's bits (logits, hidden states, every cache) at a
-    prefill of two rows of different lengths, a one-token step and a tree verify, with biases on the attention's
-    products too. One layer's product on another path sends the whole forward layer by layer."""
+@pytest.mark.parametrize("path", ["avx512-dot", "avx512", "avx2"])
+def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch, tmp_path, path):
+    """bf16 on a CPU where every product of the layers takes one path with a C function for bf16 models (the pair
+    kernel of AVX512-BF16 CPUs, or the FMA kernels, which widen a bf16 model's numbers to float32, as on AVX2
+    CPUs): the layers run as one C call (native.layers) and give the layer-by-layer path's bits (logits, hidden
+    states, every cache) at a prefill of two rows of different lengths, a one-token step and a tree verify, with
+    biases on the attention's products too. One layer's product on another path sends the whole forward layer by
+    layer."""
     from transformers import AutoModelForCausalLM
 
     from specviz.core.kvcache import Tree
 
-    if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
-        pytest.skip(f"the pair kernel does not run here: {why}")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: "avx512-dot")
+    if why := kernels.unavailable(torch.bfloat16).get(path):
+        pytest.skip(f"{path} does not run here: {why}")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: path)
     config = copy.deepcopy(random_pair.target.config)
     config.attention_bias = True
     torch.manual_seed(0)
@@ -785,24 +788,27 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
     calls = kernels.table(torch.bfloat16).calls.setdefault(lean.calls_key(), {})
     calls["2"] = {"one call": 2.0, "per op": 1.0}  # as if timed: op by op faster
     assert lean.native_weights(2) is None and lean.native_weights(10) is not None
-    calls["2"] = {"one call": 1.0, "per op": 2.0}  # one call (through the pair kernel) faster
+    calls["2"] = {"one call": 1.0, "per op": 2.0}  # one call (through the path's C function) faster
     lean.native_plans.clear()
-    assert lean.native_weights(2) is not None and lean.layers[-1].down.call_paths[2] == "avx512-dot"
+    assert lean.native_weights(2) is not None and lean.layers[-1].down.call_paths[2] == path
 
 
-def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch):
+@pytest.mark.parametrize("path", ["avx512-dot", "avx2"])
+def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch,
+                                                                       path):
     """The EAGLE head's layer through native.layers (its cache in the target's layout, a slot per row and
     entry) drafts what the layer-by-layer step drafts, bit for bit: every drafted token and its q, for trees and
-    chains, greedy and sampled, a batch of rows of different lengths."""
+    chains, greedy and sampled, a batch of rows of different lengths; a bf16 head on the pair kernel or on the AVX2
+    kernel, which widens its numbers."""
     import dataclasses
 
     from specviz.core.generator import generate_batch
     from specviz.models.eagle import EagleHead, HeadConfig
     from specviz.models.loading import load_pair
 
-    if why := kernels.unavailable(torch.bfloat16).get("avx512-dot"):
-        pytest.skip(f"the pair kernel does not run here: {why}")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: "avx512-dot")
+    if why := kernels.unavailable(torch.bfloat16).get(path):
+        pytest.skip(f"{path} does not run here: {why}")
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: path)
     pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
                      device="cpu", dtype=torch.bfloat16)
     torch.manual_seed(0)

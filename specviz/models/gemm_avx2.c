@@ -809,6 +809,34 @@ static void silu_mul(const void *gate_up, const uint16_t *silu, void *act, int64
    (specviz_gemm and the others above: the caller took each from the path this machine chose for it). */
 typedef void (*product_fn)(const void *x, const void *w, const float *b, void *y, int m, int n, int k);
 
+/* A bfloat16 model's product on the FMA kernels (paths "avx2" and "avx512", CPUs with no bf16 instructions): x
+   widened to float32 (exact), the kernel on the packed bfloat16 weights, each sum (+ bias) rounded to bfloat16,
+   which is what kernels._native does around specviz_gemm_bf16 op by op: the same bits, now inside one call. */
+typedef void (*gemm_bf16_fn)(const float *x, const uint16_t *w, const float *b, float *y, int m, int n, int k);
+
+static void widened(gemm_bf16_fn gemm, const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, int m,
+                    int n, int k)
+{
+    const size_t in = (size_t)m * k, out = (size_t)m * n;
+    float *xf = malloc(sizeof(float) * (in + out)), *yf = xf + in;
+    for (size_t i = 0; i < in; i++)
+        xf[i] = from_bf16(x[i]);
+    gemm(xf, w, b, yf, m, n, k);
+    for (size_t i = 0; i < out; i++)
+        y[i] = to_bf16(yf[i]);
+    free(xf);
+}
+
+void specviz_gemm_widened(const void *x, const void *w, const float *b, void *y, int m, int n, int k)
+{
+    widened(specviz_gemm_bf16, x, w, b, y, m, n, k);
+}
+
+void specviz_gemm512_widened(const void *x, const void *w, const float *b, void *y, int m, int n, int k)
+{
+    widened(specviz_gemm512_bf16, x, w, b, y, m, n, k);
+}
+
 /* A stack of Llama decoder layers in one call (leanllama.LeanLayer.forward, where each product's path is one of
    the kernels above), in bfloat16 the layer-by-layer path's bits (the same functions in the same order); in
    float32 see above. What it saves is the per-operation cost of the path above it: a dozen Python calls and ATen

@@ -77,9 +77,9 @@ class KernelPath:
     # paths sharing a name give a row the same bits at any row count, on either of them (specviz's kernels: each
     # output one chain of operations); "": a row's bits may depend on the call (the libraries block by shape)
     bits: str = ""
-    # (the model dtype, the C function): where a model of that dtype has a product on this path, native.layers can
-    # run it inside its one call (leanllama.layer_plan), through that function of the library
-    layers: tuple[torch.dtype, str] | None = None
+    # model dtype -> C function: where a model of that dtype has a product on this path, native.layers can run it
+    # inside its one call (leanllama.layer_plan), through that function of the library
+    layers: dict[torch.dtype, str] = field(default_factory=dict)
 
     def run(self, x: torch.Tensor, packed, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         """One product, bound for it alone (a compiled graph's opaque call; checks)."""
@@ -189,24 +189,24 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
     KernelPath("avx2", (torch.float32, torch.bfloat16), False, _avx2_pack, _native(False),
                "specviz's own AVX2/FMA kernel: weights in 16-column blocks, up to 6 rows per pass, float32 sums "
                "(bfloat16 weights widened in registers; native.py)", bits="specviz",
-               layers=(torch.float32, "specviz_gemm")),
+               layers={torch.float32: "specviz_gemm", torch.bfloat16: "specviz_gemm_widened"}),
     KernelPath("avx512", (torch.float32, torch.bfloat16), False, _avx512_pack, _native(True),
                "the same kernel in AVX-512 registers: a block per register, up to 12 rows per pass, the same bits",
-               bits="specviz", layers=(torch.float32, "specviz_gemm512")),
+               bits="specviz", layers={torch.float32: "specviz_gemm512", torch.bfloat16: "specviz_gemm512_widened"}),
     KernelPath("avx512-dot", (torch.bfloat16,), False, _pairs_pack, _pairs,
                "specviz's kernel for bfloat16 models with AVX512-BF16: a pair of products per lane and instruction",
-               bits="pairs", layers=(torch.bfloat16, "specviz_gemm_pairs")),
+               bits="pairs", layers={torch.bfloat16: "specviz_gemm_pairs"}),
     KernelPath("amx", (torch.bfloat16,), False, _amx_pack, _amx,
                "the pair kernel's weights multiplied with AMX tiles: up to 16 rows at the cost of about one",
-               bits="amx", layers=(torch.bfloat16, "specviz_gemm_amx")),
+               bits="amx", layers={torch.bfloat16: "specviz_gemm_amx"}),
     KernelPath("avx2-bf16", (torch.float32,), False, lambda w, rows: native.pack(w, torch.bfloat16), _native(False),
                "the same kernel on weights rounded to bfloat16, half the bytes (drafters only)", lossy=True,
                numbers="bfloat16 weights", bits="specviz, bfloat16 weights",
-               layers=(torch.float32, "specviz_gemm_bf16")),
+               layers={torch.float32: "specviz_gemm_bf16"}),
     KernelPath("avx512-bf16", (torch.float32,), False, lambda w, rows: _avx512_pack(w.bfloat16(), rows),
                _native(True), "the AVX-512 kernel on weights rounded to bfloat16 (drafters only)", lossy=True,
                numbers="bfloat16 weights", bits="specviz, bfloat16 weights",
-               layers=(torch.float32, "specviz_gemm512_bf16")),
+               layers={torch.float32: "specviz_gemm512_bf16"}),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True,
                numbers="int8", bits="int8"),
@@ -324,7 +324,7 @@ class KernelTable:
             ms = {p: t for p, t in by_rows[str(at)].items()
                   if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)
                   and numbers in (None, PATHS[p].numbers) and bits in (None, PATHS[p].bits)
-                  and (in_call is None or (PATHS[p].layers or (None,))[0] == in_call)}
+                  and (in_call is None or in_call in PATHS[p].layers)}
             return min(ms, key=ms.get) if ms else None
 
         kind = PATHS[fastest(timed[0]) or "linear"].numbers if lossy else ""

@@ -268,11 +268,11 @@ def layer_plan(rows: int, norm1: torch.Tensor, norm2: torch.Tensor, products: tu
     pointers, biases = [norm1.data_ptr(), norm2.data_ptr()], []
     for lin in products:
         name, packed = lin.path(rows, in_call)
-        runs = kernels.PATHS[name].layers
-        if runs is None or runs[0] != dtype:
+        runs = kernels.PATHS[name].layers.get(dtype)
+        if runs is None:
             return None
         biases.append(None if lin.bias is None else lin.bias.float().contiguous())
-        pointers += [native.entry(runs[1]), packed.data_ptr(), None if biases[-1] is None else biases[-1].data_ptr()]
+        pointers += [native.entry(runs), packed.data_ptr(), None if biases[-1] is None else biases[-1].data_ptr()]
     return pointers, biases
 
 

@@ -201,7 +201,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tu
         if device.type == "cpu" and chosen == torch.bfloat16:
             if "onednn" in kernels.unavailable(chosen):
                 why = ("as asked; this CPU has no bf16 matrix instructions, so bfloat16 runs through kernels "
-                       "that widen it to float32 (float32 is usually faster here)")
+                       "that widen it to float32 as they read it (`auto` measures which dtype is faster here)")
         return chosen, why
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)

@@ -11,7 +11,8 @@ bfloat16 RMSNorm (`rms_bf16`: one call where ATen runs eight small operations), 
 (`attend_bf16`: a query's numbers from the keys it sees alone, so a verify row, a tree node and a batch
 row get a one-token step's bits), RoPE with the cache writes (`rope_store_bf16`), SiLU times up
 (`silu_mul_bf16`), and all of these chained over a forward's layers in one call (`layers`; float32 models too,
-with float32 versions of them); and a greedy round's argmax over the vocabulary (`argmax`).
+with float32 versions of them; a bfloat16 model's products on the FMA kernels widen its rows to float32 there, as
+`kernels._native` does op by op); and a greedy round's argmax over the vocabulary (`argmax`).
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
