@@ -817,14 +817,24 @@ typedef void (*gemm_bf16_fn)(const float *x, const uint16_t *w, const float *b, 
 static void widened(gemm_bf16_fn gemm, const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, int m,
                     int n, int k)
 {
+    /* the float32 rows and sums: one buffer per calling thread (ctypes lets Python threads call at once), grown
+       to the largest product so far and kept, so a forward's 4 products a layer allocate nothing */
+    static __thread float *buffer;
+    static __thread size_t held;
     const size_t in = (size_t)m * k, out = (size_t)m * n;
-    float *xf = malloc(sizeof(float) * (in + out)), *yf = xf + in;
+    if (in + out > held) {
+        float *grown = realloc(buffer, sizeof(float) * (in + out));
+        if (!grown)
+            abort(); /* a few MB at most: only where the process has no memory left at all */
+        buffer = grown;
+        held = in + out;
+    }
+    float *xf = buffer, *yf = buffer + in;
     for (size_t i = 0; i < in; i++)
         xf[i] = from_bf16(x[i]);
     gemm(xf, w, b, yf, m, n, k);
     for (size_t i = 0; i < out; i++)
         y[i] = to_bf16(yf[i]);
-    free(xf);
 }
 
 void specviz_gemm_widened(const void *x, const void *w, const float *b, void *y, int m, int n, int k)
