@@ -42,6 +42,7 @@ def test_eagle_distill_report(eagle_dirs):
     # the counting language is easy: the head learnt it at both positions
     assert first["greedy_agreement"] > 0.5 and second["greedy_agreement"] > 0.3
     assert report["data"]["draft_vocab"] == DRAFT_VOCAB and 0 < report["data"]["held_out_vocab_coverage"] <= 1
+    assert report["training"]["precision"].startswith(("float32: a 48x64 ", "bfloat16 autocast: a 48x64 "))
     saved = json.loads((folder / "eagle_config.json").read_text())
     assert len(saved["draft_vocab"]) == DRAFT_VOCAB and (folder / "eagle_head.safetensors").exists()
 

@@ -307,11 +307,46 @@ def fit(params: list[torch.nn.Parameter], cfg: DistillConfig, batch_loss: Callab
     return {"steps": step, "tokens_seen": seen, "train_s": round(time.perf_counter() - start, 1)}
 
 
+def _train_step_ms(lin: torch.nn.Linear, x: torch.Tensor, bf16: bool, repeats: int = 3) -> float:
+    """The fastest of `repeats` forward and backward passes of lin over x, in ms (bf16: under autocast)."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+            y = lin(x)
+        y.float().square().mean().backward()
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times[1:])  # the first warms up
+
+
+def training_dtype(device: torch.device, width: int, intermediate: int,
+                   step_ms: Callable[..., float] = _train_step_ms) -> tuple[torch.dtype, str]:
+    """(dtype, why): bfloat16 autocast where training runs faster in it here, else float32. On a GPU, where it
+    computes bfloat16 natively; on a CPU, measured on a step of the head's MLP product (64 rows, forward and
+    backward). Not the inference choice (resolve_dtype's `auto`): without bf16 instructions our kernels make a
+    bfloat16 decode step the faster one, while ATen's bfloat16 training products there take many times float32's."""
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return (torch.bfloat16, "the GPU computes bfloat16 natively") if native else (
+            torch.float32, "the GPU has no native bfloat16")
+    if device.type != "cpu":
+        return torch.float32, f"float32 on {device.type}"
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():  # the caller's random state as it was
+        lin = torch.nn.Linear(width, intermediate, device=device)
+        x = torch.randn(64, width, device=device, requires_grad=True)
+        fp32, bf16 = step_ms(lin, x, False), step_ms(lin, x, True)
+    label = f"a {width}x{intermediate} training product costs {{:.1f}} ms against {{:.1f}} ms"
+    if bf16 < 0.9 * fp32:
+        return torch.bfloat16, "bfloat16 autocast: " + label.format(bf16, fp32) + " in float32 here"
+    return torch.float32, "float32: " + label.format(fp32, bf16) + " in bfloat16 here"
+
+
 def train_eagle(head, train_set: list[FeatureSample], cfg: DistillConfig, to_draft: torch.Tensor, device,
                 progress: Progress) -> dict:
-    """Every sample once per epoch, in bf16 autocast where the hardware has it."""
+    """Every sample once per epoch, in bf16 autocast where that trains faster here (training_dtype)."""
     rng = random.Random(cfg.seed)
-    fast = resolve_dtype("auto", device, (len(head.config.draft_vocab), head.config.width))[0]  # measured here
+    fast, why = training_dtype(device, head.config.width, head.config.intermediate)
+    progress(f"train: {why}")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=fast == torch.bfloat16)
     order: list[int] = []
 
@@ -328,6 +363,7 @@ def train_eagle(head, train_set: list[FeatureSample], cfg: DistillConfig, to_dra
     head.train()
     result = fit([p for p in head.parameters() if p.requires_grad], cfg, batch_loss, progress, 0.05, (0.9, 0.95))
     head.eval()
+    result["precision"] = why
     result["epochs"] = round(result["tokens_seen"] / max(1, sum(len(s.top_ids) for s in train_set)), 2)
     return result
 
