@@ -45,8 +45,10 @@ def test_device_and_dtype_resolution(monkeypatch):
     with pytest.raises(ValueError, match="no cuda:1 device"):
         resolve_device("cuda:1")
     assert resolve_dtype("float32", cpu)[0] == torch.float32
-    monkeypatch.setattr(models.kernels, "compare_dtypes", lambda out, inp, progress=None: (torch.bfloat16, "measured"))
-    assert resolve_dtype("auto", cpu, (49152, 576)) == (torch.bfloat16, "auto: measured")
+    monkeypatch.setattr(models.kernels, "compare_dtypes",
+                        lambda out, inp, rows, progress=None: (torch.bfloat16, f"measured at {rows}"))
+    assert resolve_dtype("auto", cpu, (49152, 576)) == (torch.bfloat16, "auto: measured at (1, 3)")  # a step, a verify
+    assert resolve_dtype("auto", cpu, (49152, 576), rows=(16,))[1] == "auto: measured at (16,)"  # a batch's
     assert resolve_dtype("auto", cpu)[0] == torch.float32  # no shape to measure with
     # emulated bf16 (T4, V100) is not native: float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)

@@ -562,7 +562,8 @@ def timed_rows(rows: int, timed: tuple[int, ...] | list[int] = ROWS) -> int:
 def compare_dtypes(out_features: int, in_features: int, rows: tuple[int, ...] = (1, 3),
                    progress: Progress | None = None) -> tuple[torch.dtype, str]:
     """(dtype, why): bfloat16 if its fastest kernel for the model's largest matrix (the output head,
-    out x in) beats float32's at a step and a verify pass, measured here; else float32."""
+    out x in) beats float32's at these timed row counts (a step and a verify pass, or a batch's), measured here;
+    else float32."""
     ms = {}
     for dtype in (torch.float32, torch.bfloat16):
         t = table(dtype)

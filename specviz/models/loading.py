@@ -187,10 +187,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tuple[int, int] | None = None,
-                  progress: Progress = _quiet) -> tuple[torch.dtype, str]:
+                  progress: Progress = _quiet, rows: tuple[int, ...] = (1, 3)) -> tuple[torch.dtype, str]:
     """(dtype, why). auto: on a CPU, whichever of bfloat16 and float32 runs the model's largest
-    matrix (head_shape, out x in) faster here, measured once (kernels.compare_dtypes); bfloat16 on
-    a GPU that computes it natively, else float16; float16 on mps."""
+    matrix (head_shape, out x in) faster here at these row counts (a step and a verify pass; a batch's
+    rows for batched generation), measured once (kernels.compare_dtypes); bfloat16 on a GPU that
+    computes it natively, else float16; float16 on mps."""
     if isinstance(dtype, torch.dtype):
         return dtype, "as asked"
     if dtype != "auto":
@@ -211,7 +212,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tu
         return torch.float16, "auto: float16 on mps"
     if head_shape is None:
         return torch.float32, "auto: float32 (no model shape to measure with)"
-    chosen, why = kernels.compare_dtypes(*head_shape, progress=progress)
+    chosen, why = kernels.compare_dtypes(*head_shape, rows=rows, progress=progress)
     return chosen, "auto: " + why
 
 

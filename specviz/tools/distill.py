@@ -27,6 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..core.kvcache import KVState
+from ..models import kernels
 from ..models.eagle import EagleHead, HeadConfig
 from ..models.loading import encode_prompt, eos_ids_of, head_shape, load_model, resolve_device, resolve_dtype
 from .prompts import training_prompts
@@ -508,14 +509,17 @@ def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str],
 
 
 def _target_and_prompts(cfg: DistillConfig, progress: Progress):
-    """(device, target, tokenizer, vocabulary size, prompts): the target in bf16 where the hardware
-    has it (generation; training is float32 or autocast)."""
+    """(device, target, tokenizer, vocabulary size, prompts): the target in the dtype that runs its output head
+    faster at the generation batch's rows (on a CPU, measured: a decode step's choice may not hold for a batch);
+    training is float32 or autocast (training_dtype)."""
     prompts = load_prompts(cfg)  # a bad prompts file fails before any model work
     if len(prompts) < 2:
         raise ValueError("distillation needs at least 2 prompts")
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    dtype = resolve_dtype("auto", device, head_shape(cfg.target, progress), progress)[0]
+    dtype, why = resolve_dtype("auto", device, head_shape(cfg.target, progress), progress,
+                               rows=(kernels.timed_rows(cfg.gen_batch),))
+    progress(f"data: {why}")
     target, tokenizer = load_model(cfg.target, device, dtype, progress)
     vocab_size = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
     return device, target, tokenizer, vocab_size, prompts
