@@ -74,6 +74,31 @@ def test_a_bigger_distill_reuses_the_answers_in_its_data_file(pattern_dirs, tmp_
 
 
 @pytest.mark.slow
+def test_a_heads_first_weights_are_the_seeds_alone(pattern_dirs, tmp_path, monkeypatch):
+    """The head starts from cfg.seed whatever ran before it: a run that answers its prompts (which may draw random
+    numbers: a kernel table measured on a new machine, sampling) and one that loads those answers from the data file
+    start from the same weights (lr 0: the saved head is its first weights)."""
+    from safetensors.torch import load_file
+
+    target, _ = pattern_dirs("llama")
+    (tmp_path / "prompts.txt").write_text("\n".join(" ".join(f"w{k + i}" for i in range(3)) for k in range(8)))
+    generate = distill.generate_feature_data
+
+    def drawing(*args):
+        torch.rand(3)  # something before the head that uses the global random state
+        return generate(*args)
+
+    monkeypatch.setattr(distill, "generate_feature_data", drawing)
+    heads = []
+    for run in ("answers", "loads"):
+        cfg = dataclasses.replace(tiny_config(target, tmp_path / run, str(tmp_path / "data.pt")), prompts=8,
+                                  max_steps=1, lr=0.0)
+        distill_eagle(cfg, progress=lambda m: None)
+        heads.append(load_file(str(tmp_path / run / "eagle_head.safetensors")))
+    assert heads[0].keys() == heads[1].keys() and all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+
+
+@pytest.mark.slow
 def test_a_stopped_distill_keeps_the_answers_it_saved_and_the_next_run_goes_on(pattern_dirs, tmp_path, monkeypatch):
     """With a data file, answers are saved after each part (parts as large as what is saved, at least SAVE_EVERY
     prompts): a run stopped in its second part leaves the first part's answers, whole, and no partial file; the next

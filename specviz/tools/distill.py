@@ -544,6 +544,7 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
         draft_vocab = draft_vocabulary(train_set, cfg.draft_vocab, vocab_size)
         config = HeadConfig.for_target(target, draft_vocab, vocab_size, cfg.head_intermediate, cfg.target)
         config.origin = f"specviz distill --kind eagle: {train_tokens} tokens of the target's own answers"
+        torch.manual_seed(cfg.seed)  # the first weights from the seed alone, not from what ran before (data, tuning)
         head = EagleHead(config).to(device).bind(target, vocab_size)
         final_norm = getattr(getattr(target, "model", None), "norm", None)  # Llama-family: start at the target's scale
         if isinstance(getattr(final_norm, "weight", None), torch.Tensor) and final_norm.weight.shape == (config.width,):
