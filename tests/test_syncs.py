@@ -1,7 +1,10 @@
 """The host-device sync counter (tools/syncs.py): what a GPU would wait for, counted on the CPU."""
 
+import dataclasses
+
 import torch
 from conftest import words
+from test_trees import random_head_pair
 
 from specviz.core.generator import Settings, generate, generate_batch
 from specviz.tools.syncs import SyncCounter
@@ -56,3 +59,18 @@ def test_a_round_waits_for_the_device_a_few_times(pattern_pair):
                               prompts_ids=[words(2, 3, 4), words(7, 8), words(20, 21, 22, 23)])
     rounds = max(len(r.events) for r in runs)
     assert syncs.total == rounds, dict(syncs.counts)  # one read a round for all rows
+
+
+
+def test_the_eagle_head_reads_back_only_what_ranks_a_tree(random_pair):
+    """Greedy, inspector off: a round reads the rule's values once. A chain from the EAGLE head adds nothing (its
+    drafts are kept from the first: none is likelier than the one before it); a tree adds one read in each round
+    it drafts, of its nodes' parents and scores, to rank them and to show them."""
+    pair = dataclasses.replace(random_head_pair(random_pair), eos_token_ids=set())
+    for branch, nodes, per_draft in ((1, 0, 0), (1, 2, 0), (3, 4, 1)):
+        settings = Settings(drafter="eagle", gamma=3, branch=branch, nodes=nodes, max_new_tokens=12, record_top=0)
+        with SyncCounter() as syncs:
+            run = generate(pair, "", settings, prompt_ids=words(1, 2, 3))
+        drafting = sum(1 for e in run.events if e.drafted)
+        assert drafting > 1 and (branch > 1) == any(p >= 0 for e in run.events for p in e.parents)
+        assert syncs.total == len(run.events) + per_draft * drafting, (branch, dict(syncs.counts))

@@ -333,21 +333,25 @@ class EagleDrafter:
         depth = [level + 1 for level, t in enumerate(tokens) for _ in range(t.shape[1])]  # [M]
         tokens, parents, scores = (torch.cat(x, 1) for x in (tokens, parents, scores))
         node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
-        # one read for all rows: each node's parent, log score (to rank) and probability (shown), [B][3][M]
-        host = torch.stack([parents.double(), scores.double(), scores.exp().double()], 1).tolist()
+        tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
+        # a tree's one read for all rows: each node's parent, log score (to rank) and probability (shown), [B][3][M];
+        # a chain reads nothing: its nodes are kept from the first (a draft never outscores the one before it)
+        host = torch.stack([parents.double(), scores.double(), scores.exp().double()], 1).tolist() if tree else None
         out = []
         for row, gamma in enumerate(gammas):
-            node_parents, node_scores, node_probs = host[row]
             allowed = [j for j, d in enumerate(depth) if d <= gamma]
             budget = min(self.nodes or len(depth), len(allowed))
-            if node_q is None:  # chosen nodes: the likeliest (ancestors first: a child never outscores its parent;
-                # a stable sort, so ties go in level order)
-                keep = sorted(sorted(allowed, key=lambda j: -node_scores[j])[:budget])
-            else:  # drawn nodes: the first in level and draw order, never chosen by their own value (see graft)
-                keep = allowed[:budget]
-            renumber = {old: new for new, old in enumerate(keep)}
-            row_parents = [renumber[int(node_parents[j])] if node_parents[j] >= 0 else -1 for j in keep]
-            keep_scores = [node_probs[j] for j in keep]
+            row_parents = keep_scores = None
+            if not tree or node_q is not None:  # a chain, or drawn nodes: the first in level and draw order,
+                keep = allowed[:budget]  # never chosen by their own value (see graft)
+            else:  # chosen nodes: the likeliest (ancestors first: a child never outscores its parent; a stable
+                # sort, so ties go in level order)
+                keep = sorted(sorted(allowed, key=lambda j: -host[row][1][j])[:budget])
+            if tree:
+                node_parents, _, node_probs = host[row]
+                renumber = {old: new for new, old in enumerate(keep)}
+                row_parents = [renumber[int(node_parents[j])] if node_parents[j] >= 0 else -1 for j in keep]
+                keep_scores = [node_probs[j] for j in keep]
             keep, fed = on_device([keep, [fed_of[j] for j in keep]], tokens.device, torch.long)
             columns = tokens[row, keep]  # [budget] on the head's vocabulary
             logits = fed_logits[row, fed]  # [budget, N]
@@ -355,9 +359,8 @@ class EagleDrafter:
                 q = torch.zeros_like(logits).scatter_(1, columns[:, None], 1.0)
             else:  # drawn: the rule needs the q each was drawn from
                 q = node_q[row, keep]
-            tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
-            out.append(Proposal(draft_ids[columns], q, logits, parents=row_parents if tree else None,
-                                scores=keep_scores if tree else None, columns=self.columns))
+            out.append(Proposal(draft_ids[columns], q, logits, parents=row_parents, scores=keep_scores,
+                                columns=self.columns))
         return out
 
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
