@@ -61,7 +61,6 @@ def test_a_round_waits_for_the_device_a_few_times(pattern_pair):
     assert syncs.total == rounds, dict(syncs.counts)  # one read a round for all rows
 
 
-
 def test_the_eagle_head_reads_back_only_what_ranks_a_tree(random_pair):
     """Greedy, inspector off: a round reads the rule's values once. A chain from the EAGLE head adds nothing (its
     drafts are kept from the first: none is likelier than the one before it); a tree adds one read in each round

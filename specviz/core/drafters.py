@@ -342,11 +342,11 @@ class EagleDrafter:
             allowed = [j for j, d in enumerate(depth) if d <= gamma]
             budget = min(self.nodes or len(depth), len(allowed))
             row_parents = keep_scores = None
-            if not tree or node_q is not None:  # a chain, or drawn nodes: the first in level and draw order,
-                keep = allowed[:budget]  # never chosen by their own value (see graft)
-            else:  # chosen nodes: the likeliest (ancestors first: a child never outscores its parent; a stable
-                # sort, so ties go in level order)
+            if tree and node_q is None:  # chosen nodes: the likeliest (ancestors first: a child never outscores its
+                # parent; a stable sort, so ties go in level order)
                 keep = sorted(sorted(allowed, key=lambda j: -host[row][1][j])[:budget])
+            else:  # a chain, or drawn nodes: the first in level and draw order (drawn: never kept for their value,
+                keep = allowed[:budget]  # see graft)
             if tree:
                 node_parents, _, node_probs = host[row]
                 renumber = {old: new for new, old in enumerate(keep)}
