@@ -331,12 +331,13 @@ class EagleDrafter:
         ([B, F, N], F fed nodes: each level's logits once, not once per child)."""
         draft_ids = self.head.draft_ids
         depth = [level + 1 for level, t in enumerate(tokens) for _ in range(t.shape[1])]  # [M]
-        tokens, parents, scores = (torch.cat(x, 1) for x in (tokens, parents, scores))
+        tokens = torch.cat(tokens, 1)  # [B, M]
         node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
         tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
-        # a tree's one read for all rows: each node's parent, log score (to rank) and probability (shown), [B][3][M];
-        # a chain reads nothing: its nodes are kept from the first (a draft never outscores the one before it)
-        host = torch.stack([parents.double(), scores.double(), scores.exp().double()], 1).tolist() if tree else None
+        host = None  # a chain reads nothing: its nodes are kept from the first (none outscores the one before it)
+        if tree:  # one read for all rows: each node's parent, log score (to rank) and probability (shown), [B][3][M]
+            parents, scores = torch.cat(parents, 1), torch.cat(scores, 1)
+            host = torch.stack([parents.double(), scores.double(), scores.exp().double()], 1).tolist()
         out = []
         for row, gamma in enumerate(gammas):
             allowed = [j for j, d in enumerate(depth) if d <= gamma]
