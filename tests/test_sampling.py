@@ -4,7 +4,15 @@ sampling, with the same warping applied to p and q."""
 import pytest
 import torch
 
-from specviz.core.sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution, sample
+from specviz.core.sampling import (
+    SamplingParams,
+    accept_or_resample,
+    children_table,
+    logits_to_probs,
+    residual_distribution,
+    rule_reads,
+    sample,
+)
 
 WARPS = [
     SamplingParams(1.0),
@@ -120,3 +128,35 @@ def test_sample_draws_each_token_at_its_probability_and_never_one_of_mass_zero(m
     for u in (0.0, 1.0 - 2**-53, 1.0):  # torch.rand never gives 1; float rounding of u · total might
         monkeypatch.setattr(torch, "rand", lambda shape, u=u, **kw: torch.full(shape, u, dtype=kw["dtype"]))
         assert int(sample(p, None)) == (1 if u == 0 else 4)
+
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 1], [-1, -1, 0, 0, -1, 2]], ids=["chain", "tree"])
+def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents):
+    """A sampled round reads, with the rule's values, each node's ratio against the r it is tried with and the
+    token drawn for every node the walk can end at (walk_ends), so the walk asks the device for nothing. From
+    the same generator state it comes out draw for draw as the walk that asks: the same kept path, ratios,
+    uniforms and last token, wherever it ends (after a rejection, after every child of a node, at a leaf)."""
+    g = len(parents)
+    p, _ = random_pq(5, SamplingParams(0.8), vocab=12)
+    p = torch.cat([p[:1], p[1:]] * 4)[: g + 1].float()  # [g + 1, V]
+    q = torch.cat([logits_to_probs(torch.randn(g, 12, generator=torch.Generator().manual_seed(9)) * 2,
+                                   SamplingParams(0.8)) * 0.5 + p[1:] * 0.5])  # [g, V], near p in part
+    children = torch.tensor(children_table(parents))
+    assert children_table(parents) == ([[0], [1], [2], [3]] if g == 3 else  # padded with g: no node
+                                       [[0, 1, 4], [2, 3, 6], [6, 6, 6], [5, 6, 6], [6, 6, 6], [6, 6, 6], [6, 6, 6]])
+    gen, ends_at, shapes = torch.Generator().manual_seed(2), set(), set()
+    for _ in range(400):
+        drafts = sample(q, gen)
+        state = gen.get_state()
+        asked = accept_or_resample(p, q, drafts, gen, parents=parents)
+        after = gen.get_state()
+        gen.set_state(state)
+        ahead = accept_or_resample(p, q, drafts, gen, parents=parents,
+                                   values=rule_reads(p, q, drafts, gen, children=children).tolist())
+        assert torch.equal(gen.get_state(), after)  # the same draws, no more
+        assert (ahead.path, ahead.next_token, ahead.u, ahead.accept_probs, ahead.rejected) == \
+            (asked.path, asked.next_token, asked.u, asked.accept_probs, asked.rejected)
+        ends_at.add(ahead.path[-1] if ahead.path else -1)
+        shapes.add(len(ahead.rejected))
+    assert ends_at == set(range(-1, g)) and max(shapes) >= children.shape[1]  # a node whose every child failed

@@ -2,11 +2,12 @@
 
 import dataclasses
 
+import pytest
 import torch
 from conftest import words
 from test_trees import random_head_pair
 
-from specviz.core.generator import Settings, generate, generate_batch
+from specviz.core.generator import READS_WAIT, Settings, generate, generate_batch, reads_wait
 from specviz.tools.syncs import SyncCounter
 
 
@@ -39,15 +40,16 @@ def test_each_kind_of_wait_is_counted_and_device_side_work_is_not():
 
 def test_a_round_waits_for_the_device_a_few_times(pattern_pair):
     """What a round reads back to the host: every row's values for the rule and the p and q shown, in one
-    read (sampled, per row the draw from the last residual and the extra token's p and q too; the
-    inspector's candidates, 2 more). Host lists go to the device without a wait (kvcache.on_device); the
+    read (a sampled chain's too: its walk's last draw is made before the read, at every place the walk can
+    end; the inspector's candidates, 2 more). Host lists go to the device without a wait (kvcache.on_device); the
     host keeps the text so far (prompt lookup searches it there) and a copy of each cache's mask (a
     roll-back reads nothing)."""
     pair = pattern_pair("llama")
     cases = [("baseline", Settings(max_new_tokens=12, record_top=0), 1),
              ("speculative", Settings(gamma=3, max_new_tokens=12, record_top=0), 1),
              ("speculative", Settings(gamma=3, max_new_tokens=12), 3),
-             ("speculative", Settings(gamma=3, max_new_tokens=12, record_top=0, temperature=1.0), 3),
+             ("speculative", Settings(gamma=3, max_new_tokens=12, record_top=0, temperature=1.0), 1),
+             ("baseline", Settings(max_new_tokens=12, record_top=0, temperature=1.0), 1),
              ("speculative", Settings(drafter="lookup", gamma=3, max_new_tokens=12, record_top=0), 1)]
     for mode, settings, most in cases:
         with SyncCounter() as syncs:
@@ -61,15 +63,42 @@ def test_a_round_waits_for_the_device_a_few_times(pattern_pair):
     assert syncs.total == rounds, dict(syncs.counts)  # one read a round for all rows
 
 
-def test_the_eagle_head_reads_back_only_what_ranks_a_tree(random_pair):
-    """Greedy, inspector off: a round reads the rule's values once. A chain from the EAGLE head adds nothing (its
-    drafts are kept from the first: none is likelier than the one before it); a tree adds one read in each round
-    it drafts, of its nodes' parents and scores, to rank them and to show them."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_eagle_head_reads_back_only_what_ranks_a_tree(random_pair, temperature):
+    """Inspector off, greedy or sampled: a round reads the rule's values once (sampled, a tree's walk too: the
+    ratios of later siblings and the last draw are made ahead of it). A chain from the EAGLE head adds nothing
+    (its drafts are kept from the first: none is likelier than the one before it); a tree adds one read in each
+    round it drafts, of its nodes' parents and scores, to rank them and to show them."""
     pair = dataclasses.replace(random_head_pair(random_pair), eos_token_ids=set())
     for branch, nodes, per_draft in ((1, 0, 0), (1, 2, 0), (3, 4, 1)):
-        settings = Settings(drafter="eagle", gamma=3, branch=branch, nodes=nodes, max_new_tokens=12, record_top=0)
+        settings = Settings(drafter="eagle", gamma=3, branch=branch, nodes=nodes, max_new_tokens=12, record_top=0,
+                            temperature=temperature)
         with SyncCounter() as syncs:
             run = generate(pair, "", settings, prompt_ids=words(1, 2, 3))
         drafting = sum(1 for e in run.events if e.drafted)
         assert drafting > 1 and (branch > 1) == any(p >= 0 for e in run.events for p in e.parents)
         assert syncs.total == len(run.events) + per_draft * drafting, (branch, dict(syncs.counts))
+
+
+def test_a_sampled_round_comes_out_the_same_whether_it_reads_ahead_or_asks(random_pair):
+    """On a CPU a sampled walk asks for what it needs as it goes (a read is a load there); where a read waits
+    for a queue (CUDA, MPS, or while counting), the round draws ahead for every node the walk could end at and
+    reads once. Either way the run is the same, draw for draw: every drafted token with its p, q, ratio, uniform
+    and status, the extra token with its p and q, and the inspector's candidates."""
+    assert not reads_wait(torch.device("cpu")) and reads_wait(torch.device("cuda")) and reads_wait(torch.device("mps"))
+    pair = dataclasses.replace(random_head_pair(random_pair), eos_token_ids=set())
+
+    def seen(run):
+        return [(e.drafted, e.extra, e.parents) for e in run.events]
+
+    for settings in (Settings(drafter="eagle", gamma=3, branch=3, nodes=5, temperature=1.0, max_new_tokens=16),
+                     Settings(gamma=3, temperature=0.8, top_k=6, max_new_tokens=16, record_top=0, seed=4)):
+        asked = generate(pair, "", settings, prompt_ids=words(1, 2, 3))
+        token = READS_WAIT.set(True)
+        try:
+            ahead = generate(pair, "", settings, prompt_ids=words(1, 2, 3))
+        finally:
+            READS_WAIT.reset(token)
+        assert seen(ahead) == seen(asked)
+        kinds = {e.extra.kind for e in asked.events} | {d.status for e in asked.events for d in e.drafted}
+        assert {"correction", "bonus", "accepted", "rejected"} <= kinds, kinds

@@ -13,6 +13,7 @@ rounds by closing it.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +51,7 @@ from .events import (
     TopToken,
 )
 from .kvcache import CACHE_KINDS, KVState, Tree, on_device, stacked
-from .sampling import SamplingParams, accept_or_resample, logits_to_probs, rule_reads
+from .sampling import SamplingParams, accept_or_resample, children_table, logits_to_probs, rule_reads
 from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
@@ -173,6 +174,18 @@ class TokenTexts:
         if text is None:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+# whether a read makes the host wait, if not by the device: tools.syncs.SyncCounter counts as on a GPU
+READS_WAIT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("reads_wait", default=None)
+
+
+def reads_wait(device: torch.device) -> bool:
+    """Whether reading a value back makes the host wait for the device's queue of kernels (CUDA, MPS), so
+    that a round does better to compute more and read once. On a CPU the host is the device and a read is a
+    load: there a sampled walk asks for what it needs, instead of drawing for every node it could end at."""
+    forced = READS_WAIT.get()
+    return device.type != "cpu" if forced is None else forced
 
 
 def _sync(device: torch.device) -> None:
@@ -348,8 +361,9 @@ def _shown(proposal: Proposal, p_logits: torch.Tensor, p: torch.Tensor, params: 
 def _shown_reads(proposal: Proposal, p_show: Shown, q_show: Shown, best: torch.Tensor | None) -> torch.Tensor:
     """The values shown for a round, as one float64 vector on the device: p of each drafted token at every
     row [g + 1, g] (its parent's row is picked on the host, so no index list goes to the device) and q of
-    each [g]. Greedy (best [g + 1]: each row's argmax of the target's logits), the extra token is some row's
-    argmax, known before the walk ends: also its p at every row [g + 1] and q at every node [g, g + 1]."""
+    each [g]. Given best [g + 1], the extra token for each place the walk can end, known before it does
+    (greedy: each row's argmax of the target's logits; sampled where a read waits: walk_ends): also its p at
+    every row [g + 1] and q at every node [g, g + 1]."""
     drafts = proposal.tokens
     values = [p_show.every(drafts).flatten(), q_show.own(drafts)]
     if best is not None:
@@ -380,11 +394,11 @@ def _round_tokens(proposal, tokens, p_show, q_show, shown, verdict, path, stop_a
     children = [i for i, parent in enumerate(parents) if parent == end]
     p_d = [shown[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]
     q_d = shown[(gamma + 1) * gamma : (gamma + 2) * gamma]
-    if extra_id is not None and params.greedy:  # the argmax of the row the walk ended at: read already
+    if extra_id is not None and len(shown) > (gamma + 2) * gamma:  # known before the walk ended (best): read
         at = (gamma + 2) * gamma
         p_extra = shown[at + end + 1]
         q_extra = shown[at + gamma + 1 + children[0] * (gamma + 1) + end + 1] if children else None
-    elif extra_id is not None:  # drawn after the walk: one more read
+    elif extra_id is not None:  # a sampled walk's, drawn at its end (a CPU): one more read
         at = on_device([end + 1, children[0] if children else 0, extra_id], proposal.tokens.device)
         values = [p_show.at(at[:1], at[2:])] + ([q_show.at(at[1:2], at[2:])] if children else [])
         p_extra, *q_extra = torch.cat(values).tolist()
@@ -493,6 +507,7 @@ def decode(
         raise ValueError("decode needs one or more prompts (and, if given, one seed per prompt)")
     params, device, V = settings.sampling, pair.device, pair.vocab_size
     draft_params = SamplingParams(0.0) if settings.draft_greedy else params  # greedy: argmax, q one-hot
+    ahead = not params.greedy and reads_wait(device)  # the same tokens either way, read once a round or not
     text = TokenTexts(pair.tokenizer)
     n_rows, capacity, pad = len(prompts_ids), _capacity(prompts_ids, settings), pad_id(pair)
     generators = [_seeded_generator(device, seed) for seed in seeds or [settings.seed] * n_rows]  # as if alone
@@ -546,8 +561,12 @@ def decode(
         shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
                  for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
         # one read for the whole round: every row's values for the rule, then the values the page shows
-        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy, bests[i])
+        # sampled, where a read waits: each node's children, for the walk's reads and draws made ahead (walk_ends)
+        children = [on_device(children_table(prop.tree), device) if ahead else None for prop in proposals]
+        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy, bests[i], children[i])
                   for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
+        if ahead:  # like greedy's argmax, the token at each node the walk can end at is known already
+            bests = [wanted[i][-(g + 1) :].long() for i, g in enumerate(drafted)]
         wanted += [_shown_reads(prop, *show, bests[i])
                    for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
         host = _read_together(wanted)

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, best: torch.Te
     return logits.softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: torch.Generator | None, one_uniform: bool = False) -> torch.Tensor:
     """probs [..., V] -> token ids [...], drawn with the given generator (seeded runs repeat).
 
-    Inverse CDF: one uniform u per row, the token whose interval of the cumulative sum holds u · total.
+    Inverse CDF: one uniform u per row (one_uniform: one for all the rows, for a caller that uses
+    only one of them), the token whose interval of the cumulative sum holds u · total.
     The sum runs in float64 (float32 where the device lacks it), so each interval is its probability
     to rounding; a token of probability 0 has an empty interval and is never drawn. The same law as
     torch.multinomial, at about a tenth of its time for a 49,152-token vocabulary (one AVX2 CPU)."""
@@ -100,7 +102,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     wide = torch.float32 if probs.device.type == "mps" else torch.float64
     cdf = flat.to(wide).cumsum(-1)  # [R, V]
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, device=probs.device, dtype=wide) * total
+    u = torch.rand((1, 1) if one_uniform else total.shape, generator=generator, device=probs.device, dtype=wide) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # below the total: a token of mass
     return torch.searchsorted(cdf, u, right=True).reshape(probs.shape[:-1])
 
@@ -159,24 +161,58 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
 
 
+def children_table(parents: list[int]) -> list[list[int]]:
+    """[g + 1][b]: row n + 1 lists node n's children in the order the walk tries them (row 0: the root's),
+    padded with g (no node) to the most children a node has. A chain: row i holds node i, row g nothing."""
+    rows: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        rows[parent + 1].append(node)
+    width = max(map(len, rows))
+    return [row + [len(parents)] * (width - len(row)) for row in rows]
+
+
+def walk_ends(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, children: torch.Tensor,
+              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a sampled walk would learn on the way, for every node at once, so that the round reads it with
+    the rule's values and the walk waits for nothing: ([g] each node's min(1, r(d)/q(d)) against the r it is
+    tried with, its parent's p row less its elder siblings' q as the module docstring says; [g + 1] the token
+    the round adds if the walk ends at each node: every child rejected, a draw from the last r; none, the
+    bonus from p). The walk ends at one node, so one uniform serves every row: drawn after the rule's, it is
+    the one the walk's own `sample(r)` would draw. p: [g + 1, V], q: [g, V], draft: [g], children:
+    children_table(parents) on the device [g + 1, b]. Costs b residuals of g + 1 rows: a handful of
+    elementwise passes over the vocabulary."""
+    g = draft.shape[0]
+    q_pad, d_pad = F.pad(q, (0, 0, 0, 1)), F.pad(draft, (0, 1))  # row g: no node
+    tried, r = p.new_zeros(g + 1), p  # r [g + 1, V], row n + 1: node n's before its next child's try
+    for j in range(children.shape[1]):
+        kid = children[:, j]  # [g + 1]: each node's j-th child (g: none)
+        q_kid, d_kid = q_pad[kid], d_pad[kid, None]
+        tried = tried.scatter(0, kid, acceptance_probability(r.gather(1, d_kid), q_kid.gather(1, d_kid))[:, 0])
+        r = torch.where((kid < g)[:, None], residual_distribution(r, q_kid), r)
+    return tried[:g], sample(r, generator, one_uniform=True)
+
+
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """min(1, p(d) / q(d)), elementwise: the chance a token d drawn from q is kept."""
     return (p / q.clamp_min(1e-30)).clamp_max(1.0)
 
 
 def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None,
-               greedy: bool = False, best: torch.Tensor | None = None) -> torch.Tensor:
+               greedy: bool = False, best: torch.Tensor | None = None,
+               children: torch.Tensor | None = None) -> torch.Tensor:
     """What the walk reads, as one float64 vector on the device (ids < 2^53: exact), so a caller can read
     it together with other values at once (on a GPU each read waits for the queue). Greedy: the drafted
     ids [g] and each p row's argmax [g + 1]. Sampled: min(1, p(d)/q(d)) of every draft at every row
     [g + 1, g] (a node's parent row is picked on the host, so no index list goes to the device), the
     uniform draws [g] and the drafted ids [g]; the draws come from `generator` here, before the walk's.
-    best: p.argmax(-1), if the caller has it already."""
+    children (sampled; children_table on the device): walk_ends [g] and [g + 1] too, so that the walk
+    reads and draws nothing more. best: p.argmax(-1), if the caller has it already."""
     if greedy:
         return torch.cat([draft, p.argmax(-1) if best is None else best]).double()
     ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
     u = torch.rand(draft.shape[0], generator=generator, device=draft.device)
-    return torch.cat([ratios.flatten().double(), u.double(), draft.double()])
+    ahead = [] if children is None else walk_ends(p, q, draft, children, generator)
+    return torch.cat([t.double() for t in (ratios.flatten(), u, draft, *ahead)])
 
 
 def accept_or_resample(
@@ -199,7 +235,9 @@ def accept_or_resample(
     children the bonus is drawn from its p. Greedy (one-hot p and q) needs no draws: a child is
     kept exactly when it is the target's argmax, and the last token is that argmax.
 
-    values: rule_reads(p, q, draft, generator, greedy) read to the host by the caller; else read here.
+    values: rule_reads(p, q, draft, generator, greedy, children=...) read to the host by the caller; else
+    read here. With walk_ends in them, the walk takes its later children's ratios and its last token from
+    there instead of asking the device (the same numbers, the same draw).
     """
     gamma = draft.shape[0]
     parents = chain_parents(gamma) if parents is None else parents
@@ -208,11 +246,12 @@ def accept_or_resample(
     if greedy:
         tokens, best = [int(t) for t in values[:gamma]], [int(t) for t in values[gamma:]]
         accept_probs = [1.0 if tokens[i] == best[parent + 1] else 0.0 for i, parent in enumerate(parents)]
-        u_all = [None] * gamma
+        u_all, tried, ends = [None] * gamma, [], []
     else:
         accept_probs = [values[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]  # as if tested first
         u_all = values[(gamma + 1) * gamma : (gamma + 2) * gamma]
-        tokens = [int(t) for t in values[(gamma + 2) * gamma :]]
+        tokens = [int(t) for t in values[(gamma + 2) * gamma : (gamma + 3) * gamma]]
+        tried, ends = values[(gamma + 3) * gamma : (gamma + 4) * gamma], values[(gamma + 4) * gamma :]  # or none
     children: dict[int, list[int]] = {}
     for node, parent in enumerate(parents):
         children.setdefault(parent, []).append(node)
@@ -221,8 +260,12 @@ def accept_or_resample(
     while True:
         kept = None
         for child in children.get(node, []):
-            ratio = float(acceptance_probability(r[tokens[child]], q[child, tokens[child]])) if residual is not None \
-                else accept_probs[child]  # the first child tests against p itself
+            if ends:  # tried ahead of the walk (walk_ends)
+                ratio = tried[child]
+            elif residual is None:  # the first child tries against p itself
+                ratio = accept_probs[child]
+            else:
+                ratio = float(acceptance_probability(r[tokens[child]], q[child, tokens[child]]))
             accept_probs[child], u_used[child] = ratio, u_all[child]
             if (ratio >= 1.0) if greedy else (u_all[child] < ratio):
                 kept = child
@@ -236,6 +279,8 @@ def accept_or_resample(
         node, r, residual = kept, p[kept + 1], None
     if greedy:
         next_token = best[node + 1]  # the argmax of the row the walk ended at
+    elif ends:
+        next_token = int(ends[node + 1])  # drawn already, from the same r and uniform
     else:
         next_token = int(sample(r, generator))
     return Verdict(path, next_token, accept_probs, u_used, rejected, residual, tokens)

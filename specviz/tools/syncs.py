@@ -7,7 +7,8 @@ host list to the device (`torch.tensor(list, device=...)`: a blocking copy). For
 speculative round is bound by these waits and the launches between them, not by arithmetic
 (gpt-fast's decode loop keeps them out). The counter sits at the Python level (a TorchFunctionMode),
 so a run on a CPU counts the waits the same code makes on CUDA; compiled graphs are not looked into,
-so count eager runs.
+so count eager runs. Where the decoder takes another way on a CPU, whose reads cost nothing
+(`generator.reads_wait`), the counter has it take the GPU's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections import Counter
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from ..core.generator import READS_WAIT
 
 T = torch.Tensor
 READS = {T.item: "item", T.tolist: "tolist", T.__bool__: "bool", T.__int__: "int", T.__float__: "float",
@@ -54,6 +57,15 @@ class SyncCounter(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self._reads_wait = None
+
+    def __enter__(self):
+        self._reads_wait = READS_WAIT.set(True)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        READS_WAIT.reset(self._reads_wait)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
