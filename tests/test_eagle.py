@@ -17,6 +17,7 @@ from specviz.models.eagle import EagleHead, HeadCache, HeadConfig
 from specviz.models.loading import load_model
 from specviz.tools import cli, distill
 from specviz.tools.distill import distill_eagle
+from specviz.tools.syncs import SyncCounter
 from specviz.view import charts
 
 
@@ -173,10 +174,16 @@ def test_feature_data_is_the_targets_own_forward(pattern_dirs, tmp_path, monkeyp
         return select(state, rows)
 
     monkeypatch.setattr(distill.KVState, "select", spy)
+    steps, forward = [], distill.KVState.forward
+    monkeypatch.setattr(distill.KVState, "forward", lambda *a, **k: steps.append(1) or forward(*a, **k))
     prompts = [" ".join(f"w{k + i}" for i in range(3)) for k in (0, 5, 20, 7, 30, 2)]
     cfg = dataclasses.replace(tiny_config(target_dir, tmp_path / "head"), new_tokens=12, gen_batch=8)
-    samples = distill.generate_feature_data(target, tokenizer, prompts, cfg, vocab, lambda m: None)
+    with SyncCounter() as syncs:
+        samples = distill.generate_feature_data(target, tokenizer, prompts, cfg, vocab, lambda m: None)
     assert kept_rows and min(kept_rows) < 8  # rows left a batch before its end
+    # a step reads back which rows have ended, and nothing else (on a GPU, a wait); an answer is read once
+    prefills = -(-len(prompts) * len(cfg.temperatures) // cfg.gen_batch)  # a batch's prefill is a forward too
+    assert syncs.total == len(steps) - prefills + len(samples), dict(syncs.counts)
 
     jobs = [(p, t) for p in prompts for t in cfg.temperatures]
     ended = 0

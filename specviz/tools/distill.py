@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ..core.kvcache import KVState
+from ..core.kvcache import KVState, on_device
 from ..models import kernels
 from ..models.eagle import EagleHead, HeadConfig
 from ..models.loading import encode_prompt, eos_ids_of, head_shape, load_model, resolve_device, resolve_dtype
@@ -159,6 +159,12 @@ def _close_segment(steps: list[tuple[torch.Tensor, ...]], live: list[int], parts
         steps.clear()
 
 
+def _drawing(temps: list[float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows that sample ([n] indices) and their temperatures ([n]), sent without a wait."""
+    drawn = [i for i, t in enumerate(temps) if t > 0]
+    return on_device(drawn, device, torch.long), on_device([temps[i] for i in drawn], device, torch.float32)
+
+
 @torch.inference_mode()
 def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillConfig, vocab_size: int,
                           progress: Progress) -> list[FeatureSample]:
@@ -169,7 +175,8 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
     Samples come back grouped by prompt: all answers to prompt i before those to prompt i + 1."""
     device = next(target.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = torch.tensor(sorted(eos_ids_of(target, tokenizer)), device=device)
+    eos_ids = eos_ids_of(target, tokenizer)
+    eos = on_device(sorted(eos_ids), device)
     jobs = [(i, t) for i in range(len(prompts)) for t in cfg.temperatures]
     encoded = [encode_prompt(tokenizer, p, cfg.chat_template) for p in prompts]
     jobs.sort(key=lambda job: len(encoded[job[0]]))  # similar lengths together: less padding
@@ -178,42 +185,43 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
     for b in range(0, len(jobs), cfg.gen_batch):
         batch = jobs[b : b + cfg.gen_batch]
         rows = [encoded[i] for i, _ in batch]
-        temps = torch.tensor([t for _, t in batch], device=device)
-        sampling = temps > 0
+        temps = [t for _, t in batch]  # per live row, on the host: which rows draw is known without a read
         gen = torch.Generator(device=device).manual_seed(cfg.seed + b)
         state = KVState(target, len(rows), "static", vocab_size, max(map(len, rows)) + cfg.new_tokens + 2)
         prefill = state.prefill(rows, pad, hidden=True).hidden  # [B, w, H], right-aligned
-        last = torch.tensor([r[-1] for r in rows], device=device)
+        last = on_device([r[-1] for r in rows], device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=device)
         live = list(range(len(rows)))  # the batch rows still answering, in the state's row order
         parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in rows]  # per batch row: its segments
         steps: list[tuple[torch.Tensor, ...]] = []  # this segment's (feature, top ids, top probs, token) per step
-        for t in range(cfg.new_tokens):
+        drawn, drawn_t = _drawing(temps, device)
+        for t in range(cfg.new_tokens):  # a step reads one thing back: which rows have ended
             step = state.forward(last[:, None], ~done[:, None], hidden=True)
             logits = step.logits[:, 0]  # [B, V] float32
             # the top k, sorted; softmax over their logits = the full softmax's top k renormalised over the k
             top = logits.topk(cfg.top_k, dim=-1)
             nxt = top.indices[:, 0].clone()  # greedy
-            if bool(sampling.any()):  # inverse CDF: torch.multinomial costs 10x more at this width
-                cdf = (logits[sampling] / temps[sampling, None]).softmax(-1).cumsum(-1)
-                u = torch.rand(len(cdf), 1, generator=gen, device=device) * cdf[:, -1:]
-                nxt[sampling] = torch.searchsorted(cdf, u)[:, 0].clamp_max(logits.shape[-1] - 1)
+            if len(drawn):  # inverse CDF: torch.multinomial costs 10x more at this width
+                cdf = (logits.index_select(0, drawn) / drawn_t[:, None]).softmax(-1).cumsum(-1)
+                u = torch.rand(len(drawn), 1, generator=gen, device=device) * cdf[:, -1:]
+                nxt.index_copy_(0, drawn, torch.searchsorted(cdf, u)[:, 0].clamp_max(logits.shape[-1] - 1))
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             steps.append((step.hidden[:, 0].to(torch.bfloat16), top.indices.int(), top.values.softmax(-1).half(), nxt))
             done |= torch.isin(nxt, eos)
             last = nxt
-            finished = int(done.sum())
-            if finished == len(live):
+            ended = done.tolist()
+            if all(ended):
                 break
-            if 4 * finished >= len(live) and t + 1 < cfg.new_tokens:  # a quarter answered: they leave the batch
+            if 4 * sum(ended) >= len(live) and t + 1 < cfg.new_tokens:  # a quarter answered: they leave the batch
                 _close_segment(steps, live, parts)
-                keep = (~done).nonzero()[:, 0]
-                state.select(keep.tolist())
-                live = [live[i] for i in keep.tolist()]
-                last, done, temps, sampling = last[keep], done[keep], temps[keep], sampling[keep]
+                keep = [i for i, end in enumerate(ended) if not end]
+                state.select(keep)
+                live, temps = [live[i] for i in keep], [temps[i] for i in keep]
+                keep_d = on_device(keep, device, torch.long)
+                last, done = last[keep_d], done[keep_d]
+                drawn, drawn_t = _drawing(temps, device)
         _close_segment(steps, live, parts)
         width = prefill.shape[1]
-        eos_ids = set(eos.tolist())
         for row, (job, prompt_ids) in enumerate(zip(batch, rows, strict=True)):
             feats, ids, probs, gen_ids = (torch.cat(x) for x in zip(*parts[row], strict=True))
             gen_ids = gen_ids.tolist()
