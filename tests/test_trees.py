@@ -191,6 +191,27 @@ def test_tree_attention_and_the_moved_path_equal_fresh_forwards(random_pair, kin
         torch.testing.assert_close(out.logits[0, 0], fresh(prompt + [nodes[j] for j in kept] + nxt))
 
 
+def test_a_tree_made_on_the_device_is_the_one_its_parents_spell():
+    """Depths and who sees whom, made with matrix products on the device (so a drafted tree is verified without
+    a read), against the definition walked node by node: random trees of up to 12 nodes, rows of other sizes
+    (holes: depth 0, seeing only themselves), a chain and a lone root."""
+    def walked(row, width):
+        depth, seen = [0] * width, [{i} for i in range(width)]
+        for i, parent in enumerate(row):
+            depth[1 + i] = depth[1 + parent] + 1 if parent >= 0 else 1
+            seen[1 + i] |= seen[1 + parent] if parent >= 0 else {0}
+        return depth, [[j in s for j in range(width)] for s in seen]
+
+    gen = torch.Generator().manual_seed(0)
+    for width in (1, 2, 5, 13):
+        rows = [[int(torch.randint(-1, i, (), generator=gen)) for i in range(int(n))]
+                for n in torch.randint(0, width, (4,), generator=gen)] + [list(range(-1, width - 2)), []]
+        tree = Tree.of(rows, width, torch.device("cpu"))
+        for b, row in enumerate(rows):
+            depth, visible = walked(row, width)
+            assert tree.depth[b].tolist() == depth and tree.visible[b].tolist() == visible, (width, row)
+
+
 def test_tree_shape_and_validation():
     assert draft_width(Settings(gamma=3)) == 3
     assert draft_width(Settings(gamma=3, branch=2, drafter="eagle")) == 2 + 2 * 4

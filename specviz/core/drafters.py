@@ -39,6 +39,16 @@ class Columns:
         return Columns(ids, of)
 
 
+@dataclass(frozen=True)
+class PendingTree:
+    """A tree's shape still on the device, read with the round's values (`Proposal.settled`): a drafter
+    that ranks its nodes there never waits for the device to learn which it kept."""
+
+    parents: torch.Tensor  # [γ] long: each node's parent (-1: the last kept token)
+    scores: torch.Tensor  # [γ] float: the draft's probability of the path to each node
+    branch: int  # no node has more children
+
+
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [γ] drafted ids (γ may be less than asked for, even 0)
@@ -48,11 +58,41 @@ class Proposal:
     parents: list[int] | None = None  # [γ] a tree: each node's parent (-1: the last kept token); None: a chain
     scores: list[float] | None = None  # [γ] a tree's nodes: the draft's probability of the path to each
     columns: Columns | None = None  # q's and logits' columns, a drafter's own vocabulary; None: all V, N = V
+    pending: PendingTree | None = None  # a tree whose parents and scores are still on the device
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None or self.pending is not None
 
     @property
     def tree(self) -> list[int]:
-        """Each node's parent, a chain's too."""
+        """Each node's parent, a chain's too (a pending tree: settle it first)."""
+        if self.pending is not None:
+            raise RuntimeError("a pending tree's parents are on the device: Proposal.settled() reads them")
         return chain_parents(self.tokens.shape[0]) if self.parents is None else self.parents
+
+    def tree_reads(self) -> torch.Tensor:
+        """[2γ] float64 on the device, what `settled` reads: a pending tree's parents, then its scores."""
+        return torch.cat([self.pending.parents.double(), self.pending.scores.double()])
+
+    def settled(self, values: list[float] | None = None) -> Proposal:
+        """The proposal with its tree's parents and scores on the host; values: tree_reads(), read by the
+        caller with others (else read here: one wait)."""
+        if self.pending is None:
+            return self
+        values = self.tree_reads().tolist() if values is None else values
+        gamma = self.tokens.shape[0]
+        return replace(self, parents=[int(v) for v in values[:gamma]], scores=values[gamma:], pending=None)
+
+    def parents_on_device(self) -> tuple[torch.Tensor, int]:
+        """([γ] each node's parent, -1 the root, on the device; the most children a node has), sent from
+        the host without a wait, or made there (a chain's, a pending tree's)."""
+        gamma, device = self.tokens.shape[0], self.tokens.device
+        if self.pending is not None:
+            return self.pending.parents, self.pending.branch if gamma else 0
+        if self.parents is None:
+            return torch.arange(-1, gamma - 1, device=device), min(gamma, 1)
+        return on_device(self.parents, device, torch.long), max(self.parents.count(n) for n in range(-1, gamma))
 
     def widened(self) -> Proposal:
         """The same proposal with q and logits over the whole vocabulary, [γ, V] (0 and -inf outside the
@@ -334,34 +374,34 @@ class EagleDrafter:
         tokens = torch.cat(tokens, 1)  # [B, M]
         node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
         tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
-        host = None  # a chain reads nothing: its nodes are kept from the first (none outscores the one before it)
-        if tree:  # one read for all rows: each node's parent, log score (to rank) and probability (shown), [B][3][M]
+        if tree:  # [B, M] each: the nodes' parents (node indices, -1 the root) and log scores, left on the device
             parents, scores = torch.cat(parents, 1), torch.cat(scores, 1)
-            host = torch.stack([parents.double(), scores.double(), scores.exp().double()], 1).tolist()
-        out = []
+        device, out = tokens.device, []
+        fed_of = on_device(fed_of, device, torch.long)  # [M]
         for row, gamma in enumerate(gammas):
             allowed = [j for j, d in enumerate(depth) if d <= gamma]
             budget = min(self.nodes or len(depth), len(allowed))
-            row_parents = keep_scores = None
-            if tree and node_q is None:  # chosen nodes: the likeliest (ancestors first: a child never outscores its
-                # parent; a stable sort, so ties go in level order)
-                keep = sorted(sorted(allowed, key=lambda j: -host[row][1][j])[:budget])
-            else:  # a chain, or drawn nodes: the first in level and draw order (drawn: never kept for their value,
-                keep = allowed[:budget]  # see graft)
-            if tree:
-                node_parents, _, node_probs = host[row]
-                renumber = {old: new for new, old in enumerate(keep)}
-                row_parents = [renumber[int(node_parents[j])] if node_parents[j] >= 0 else -1 for j in keep]
-                keep_scores = [node_probs[j] for j in keep]
-            keep, fed = on_device([keep, [fed_of[j] for j in keep]], tokens.device, torch.long)
+            keep = on_device(allowed[:budget], device, torch.long)  # a chain, or drawn nodes: the first in level and
+            # draw order (drawn nodes are never kept for their value: see graft)
+            if tree and node_q is None:  # chosen nodes: the likeliest, in level order (ancestors first: a child never
+                # outscores its parent; a stable sort, so ties go in level order)
+                kept_of = on_device(allowed, device, torch.long)
+                order = scores[row, kept_of].sort(descending=True, stable=True).indices[:budget]
+                keep = kept_of[order.sort().values]
+            pending = None
+            if tree:  # each kept node's parent renumbered among the kept (a kept node's parent is kept)
+                renumber = torch.full((len(depth),), -1, dtype=torch.long, device=device)
+                renumber[keep] = torch.arange(budget, device=device)
+                node_parents = parents[row, keep]
+                pending = PendingTree(torch.where(node_parents >= 0, renumber[node_parents.clamp_min(0)], -1),
+                                      scores[row, keep].exp(), self.branch)
             columns = tokens[row, keep]  # [budget] on the head's vocabulary
-            logits = fed_logits[row, fed]  # [budget, N]
+            logits = fed_logits[row, fed_of[keep]]  # [budget, N]
             if node_q is None:  # chosen: one-hot
                 q = torch.zeros_like(logits).scatter_(1, columns[:, None], 1.0)
             else:  # drawn: the rule needs the q each was drawn from
                 q = node_q[row, keep]
-            out.append(Proposal(draft_ids[columns], q, logits, parents=row_parents, scores=keep_scores,
-                                columns=self.columns))
+            out.append(Proposal(draft_ids[columns], q, logits, columns=self.columns, pending=pending))
         return out
 
     def verified(self, n_accepted: list[int], hidden: torch.Tensor | None) -> None:
@@ -438,8 +478,9 @@ class LookupFirstDrafter:
         copied = self.lookup.propose(seqs, gammas, params, generators)
         if getattr(self.fallback, "branch", 1) > 1:  # a tree: the copied continuation joins it as a branch
             trees = self.fallback.propose(seqs, gammas, params, generators)
-            return [graft(t, c, getattr(self.fallback, "nodes", 0), drawn=not params.greedy) if c.tokens.numel()
-                    else t for c, t in zip(copied, trees, strict=True)]
+            budget = getattr(self.fallback, "nodes", 0)
+            return [graft(t.settled(), c, budget, drawn=not params.greedy) if c.tokens.numel() else t
+                    for c, t in zip(copied, trees, strict=True)]
         rest = self.fallback.propose(seqs, [0 if c.tokens.numel() else g for c, g in zip(copied, gammas, strict=True)],
                                      params, generators)
         return [replace(c, source="lookup") if c.tokens.numel() else r for c, r in zip(copied, rest, strict=True)]

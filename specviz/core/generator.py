@@ -51,7 +51,7 @@ from .events import (
     TopToken,
 )
 from .kvcache import CACHE_KINDS, KVState, Tree, on_device, stacked
-from .sampling import SamplingParams, accept_or_resample, children_table, logits_to_probs, rule_reads
+from .sampling import SamplingParams, accept_or_resample, children_of, logits_to_probs, rule_reads
 from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
@@ -546,8 +546,11 @@ def decode(
         lasts = on_device([seqs[r][-1] for r in active], device)  # [B] each row's last token
         verify_ids = stacked([torch.cat([lasts[i : i + 1], p.tokens]) for i, p in enumerate(proposals)], pad)
         verify_real = [[True] * (g + 1) + [False] * (width - g - 1) for g in drafted]
-        # a tree: each node attends to the prefix and its ancestors, at position length + depth
-        tree = Tree.of([p.tree for p in proposals], width, device) if any(p.parents for p in proposals) else None
+        # a tree: each node attends to the prefix and its ancestors, at position length + depth, made on the device
+        # from each row's parents (a tree ranked there is verified before the host learns its shape)
+        is_tree = any(p.is_tree and p.tokens.shape[0] for p in proposals)
+        shapes = [p.parents_on_device() for p in proposals] if is_tree or ahead else []  # ([g] parents, branch)
+        tree = Tree.from_parents(stacked([parents for parents, _ in shapes], -2)) if is_tree else None
         base = target.width
         verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
         best = native.argmax(verify.logits) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the test
@@ -562,14 +565,17 @@ def decode(
                  for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
         # one read for the whole round: every row's values for the rule, then the values the page shows
         # sampled, where a read waits: each node's children, for the walk's reads and draws made ahead (walk_ends)
-        children = [on_device(children_table(prop.tree), device) if ahead else None for prop in proposals]
+        children = [children_of(*shape) for shape in shapes] if ahead else [None] * len(proposals)
         wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy, bests[i], children[i])
                   for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
         if ahead:  # like greedy's argmax, the token at each node the walk can end at is known already
             bests = [wanted[i][-(g + 1) :].long() for i, g in enumerate(drafted)]
         wanted += [_shown_reads(prop, *show, bests[i])
                    for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
+        wanted += [prop.tree_reads() for prop in proposals if prop.pending is not None]  # and its shape, last
         host = _read_together(wanted)
+        shapes_read = iter(host[2 * len(active) :])
+        proposals = [prop if prop.pending is None else prop.settled(next(shapes_read)) for prop in proposals]
         verdicts = [accept_or_resample(ps[i], prop.q, prop.tokens, generators[r], params.greedy, prop.parents,
                                        host[i])
                     for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]

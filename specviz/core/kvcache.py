@@ -301,15 +301,28 @@ class Tree:
     def of(parents: list[list[int]], width: int, device: torch.device) -> Tree:
         """parents[b][i]: the parent of node i (slot 1 + i), -1 for the root; slots past a row's nodes
         are holes (depth 0, seeing themselves only)."""
-        depths, visible = [], []  # built as lists, made tensors once (a round's tree is small)
-        for row in parents:
-            depth, seen = [0] * width, [{i} for i in range(width)]  # seen[i]: slots i attends to
-            for i, parent in enumerate(row):  # parents come first: their sets are complete
-                depth[1 + i] = depth[1 + parent] + 1 if parent >= 0 else 1
-                seen[1 + i] |= seen[1 + parent] if parent >= 0 else {0}
-            depths.append(depth)
-            visible.append([[j in s for j in range(width)] for s in seen])
-        return Tree(on_device(depths, device), on_device(visible, device, torch.bool))
+        padded = [row + [-2] * (width - 1 - len(row)) for row in parents]
+        return Tree.from_parents(on_device(padded, device, torch.long))
+
+    @staticmethod
+    def from_parents(parents: torch.Tensor) -> Tree:
+        """parents [B, t - 1] on the device: node i's parent (slot 1 + i), -1 the root, -2 a hole (depth 0,
+        seeing itself only). Made there, so a tree drafted there is verified without a read: node i sees j
+        when j is i or an ancestor, and its depth is how many those are; ancestors by doubling the paths
+        of one step up (a matrix product a pass: paths up to t - 2 steps in log2 t passes)."""
+        rows, n = parents.shape
+        real = parents >= -1
+        up = F.one_hot((parents + 1).clamp_min(0), n + 1)[..., 1:].float()  # [B, n, n]: node -> its parent
+        reach = torch.eye(n, device=parents.device) + up  # paths of 0 or 1 step up
+        for _ in range(max(n - 1, 1).bit_length()):
+            reach = (reach @ reach).clamp_max(1.0)  # twice as long
+        seen = reach > 0  # [B, n, n]
+        depth = torch.where(real, seen.sum(-1), 0)
+        visible = torch.zeros(rows, n + 1, n + 1, dtype=torch.bool, device=parents.device)
+        visible[:, 0, 0] = True
+        visible[:, 1:, 1:] = seen
+        visible[:, 1:, 0] = real
+        return Tree(F.pad(depth, (1, 0)), visible)
 
 
 def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -161,14 +161,17 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
 
 
-def children_table(parents: list[int]) -> list[list[int]]:
-    """[g + 1][b]: row n + 1 lists node n's children in the order the walk tries them (row 0: the root's),
-    padded with g (no node) to the most children a node has. A chain: row i holds node i, row g nothing."""
-    rows: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for node, parent in enumerate(parents):
-        rows[parent + 1].append(node)
-    width = max(map(len, rows))
-    return [row + [len(parents)] * (width - len(row)) for row in rows]
+def children_of(parents: torch.Tensor, branch: int) -> torch.Tensor:
+    """[g + 1, branch]: row n + 1 lists node n's children in the order the walk tries them (row 0: the
+    root's), padded with g (no node); parents [g] on the device (-1: the root), and no node has more than
+    `branch` children. A chain: row i holds node i, row g nothing. Made on the device: a drafted tree's
+    parents need not be read first."""
+    g = parents.shape[0]
+    earlier = torch.ones(g, g, dtype=torch.bool, device=parents.device).tril(-1)  # [i, j]: j comes before i
+    rank = ((parents[:, None] == parents[None, :]) & earlier).sum(1)  # [g]: elder siblings
+    table = torch.full(((g + 1) * branch,), g, dtype=torch.long, device=parents.device)
+    table[(parents + 1) * branch + rank] = torch.arange(g, device=parents.device)
+    return table.view(g + 1, branch)
 
 
 def walk_ends(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, children: torch.Tensor,
@@ -179,7 +182,7 @@ def walk_ends(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, children: t
     the round adds if the walk ends at each node: every child rejected, a draw from the last r; none, the
     bonus from p). The walk ends at one node, so one uniform serves every row: drawn after the rule's, it is
     the one the walk's own `sample(r)` would draw. p: [g + 1, V], q: [g, V], draft: [g], children:
-    children_table(parents) on the device [g + 1, b]. Costs b residuals of g + 1 rows: a handful of
+    children_of(parents, b) [g + 1, b]. Costs b residuals of g + 1 rows: a handful of
     elementwise passes over the vocabulary."""
     g = draft.shape[0]
     q_pad, d_pad = F.pad(q, (0, 0, 0, 1)), F.pad(draft, (0, 1))  # row g: no node
@@ -205,7 +208,7 @@ def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator:
     ids [g] and each p row's argmax [g + 1]. Sampled: min(1, p(d)/q(d)) of every draft at every row
     [g + 1, g] (a node's parent row is picked on the host, so no index list goes to the device), the
     uniform draws [g] and the drafted ids [g]; the draws come from `generator` here, before the walk's.
-    children (sampled; children_table on the device): walk_ends [g] and [g + 1] too, so that the walk
+    children (sampled; children_of the nodes' parents): walk_ends [g] and [g + 1] too, so that the walk
     reads and draws nothing more. best: p.argmax(-1), if the caller has it already."""
     if greedy:
         return torch.cat([draft, p.argmax(-1) if best is None else best]).double()

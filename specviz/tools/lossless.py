@@ -179,7 +179,7 @@ def first_round_distributions(pair: ModelPair, prompt_ids: list[int], settings: 
     params = SamplingParams(0.0) if settings.draft_greedy else settings.sampling
     generator = torch.Generator(device=pair.device).manual_seed(settings.seed)
     (proposal,) = drafter.propose([list(prompt_ids)], [1], params, [generator])
-    proposal = proposal.widened()  # q over the whole vocabulary
+    proposal = proposal.settled().widened()  # the tree's shape on the host; q over the whole vocabulary
     last = torch.tensor([prompt_ids[-1:]], device=pair.device)  # the verify pass's first position
     logits = state.forward(last, torch.ones_like(last, dtype=torch.bool)).logits[0, -1]
     p = logits_to_probs(logits.to("cpu", torch.float64), settings.sampling)  # float64 (mps has none): on the CPU
