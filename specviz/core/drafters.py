@@ -381,13 +381,13 @@ class EagleDrafter:
         for row, gamma in enumerate(gammas):
             allowed = [j for j, d in enumerate(depth) if d <= gamma]
             budget = min(self.nodes or len(depth), len(allowed))
-            keep = on_device(allowed[:budget], device, torch.long)  # a chain, or drawn nodes: the first in level and
-            # draw order (drawn nodes are never kept for their value: see graft)
             if tree and node_q is None:  # chosen nodes: the likeliest, in level order (ancestors first: a child never
                 # outscores its parent; a stable sort, so ties go in level order)
-                kept_of = on_device(allowed, device, torch.long)
-                order = scores[row, kept_of].sort(descending=True, stable=True).indices[:budget]
-                keep = kept_of[order.sort().values]
+                candidates = on_device(allowed, device, torch.long)
+                likeliest = scores[row, candidates].sort(descending=True, stable=True).indices[:budget]
+                keep = candidates[likeliest.sort().values]
+            else:  # a chain, or drawn nodes: the first in level and draw order (drawn: never kept for their value,
+                keep = on_device(allowed[:budget], device, torch.long)  # see graft)
             pending = None
             if tree:  # each kept node's parent renumbered among the kept (a kept node's parent is kept)
                 renumber = torch.full((len(depth),), -1, dtype=torch.long, device=device)
