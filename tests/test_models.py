@@ -45,6 +45,9 @@ def test_device_and_dtype_resolution(monkeypatch):
     with pytest.raises(ValueError, match="no cuda:1 device"):
         resolve_device("cuda:1")
     assert resolve_dtype("float32", cpu)[0] == torch.float32
+    with pytest.raises(ValueError, match="mps has no float64"):
+        resolve_dtype("float64", torch.device("mps"))
+    assert resolve_dtype("auto", torch.device("mps"))[0] == torch.float16
     monkeypatch.setattr(models.kernels, "compare_dtypes",
                         lambda out, inp, rows, progress=None: (torch.bfloat16, f"measured at {rows}"))
     assert resolve_dtype("auto", cpu, (49152, 576)) == (torch.bfloat16, "auto: measured at (1, 3)")  # a step, a verify

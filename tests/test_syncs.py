@@ -6,7 +6,10 @@ import pytest
 import torch
 from conftest import words
 from test_trees import random_head_pair
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from specviz.core import sampling
 from specviz.core.generator import READS_WAIT, Settings, generate, generate_batch, reads_wait
 from specviz.tools.syncs import SyncCounter
 
@@ -102,3 +105,42 @@ def test_a_sampled_round_comes_out_the_same_whether_it_reads_ahead_or_asks(rando
         assert seen(ahead) == seen(asked)
         kinds = {e.extra.kind for e in asked.events} | {d.status for e in asked.events for d in e.drafted}
         assert {"correction", "bonus", "accepted", "rejected"} <= kinds, kinds
+
+
+class _NoFloat64(TorchDispatchMode):
+    """Fails the op that makes a float64 tensor, as mps would."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+        assert not made, f"{func} made a float64 tensor"
+        return out
+
+
+def test_a_device_without_float64_is_never_asked_for_one(pattern_pair, monkeypatch):
+    """mps has no float64. With the CPU taken for such a device (sampling.NO_FLOAT64) and reads that wait
+    (mps's path), no op of a float32 run makes a float64 tensor: a round's values are read in float32 (ids
+    exact below 2^24), greedy or sampled, chain or tree, lookup joined to a tree, the inspector on. Greedy,
+    the tokens and every shown p and q are those read in float64."""
+    pair = dataclasses.replace(random_head_pair(pattern_pair("llama"), draft_words=range(12)), eos_token_ids=set())
+    cases = [Settings(gamma=3, max_new_tokens=12),
+             Settings(gamma=3, max_new_tokens=12, temperature=1.0, top_p=0.9),
+             Settings(drafter="eagle", gamma=3, branch=3, nodes=5, max_new_tokens=12),
+             Settings(drafter="eagle", gamma=3, branch=3, nodes=5, max_new_tokens=12, temperature=1.0),
+             Settings(drafter="lookup+eagle", gamma=3, branch=2, nodes=5, max_new_tokens=12)]
+    prompt = words(1, 2, 3, 4, 1, 2, 3)
+
+    def seen(run):
+        return [([(d.id, d.p, d.q, d.status) for d in e.drafted], e.extra, e.parents) for e in run.events]
+
+    token = READS_WAIT.set(True)
+    try:
+        wide = [seen(generate(pair, "", s, prompt_ids=prompt)) for s in cases if s.temperature == 0]
+        monkeypatch.setattr(sampling, "NO_FLOAT64", {"cpu"})
+        with _NoFloat64():
+            runs = [generate(pair, "", s, prompt_ids=prompt) for s in cases]
+    finally:
+        READS_WAIT.reset(token)
+    assert [seen(r) for r, s in zip(runs, cases, strict=True) if s.temperature == 0] == wide
+    assert all(r.n_drafted > 0 for r in runs)
+    assert any(e.drafted_by == "lookup" for e in runs[-1].events), "lookup was never joined to the tree"

@@ -243,7 +243,7 @@ def random_head_pair(random_pair, draft_words=(0, 1, 2, 5, 6)):
     head = EagleHead(HeadConfig.for_target(target, [word_id(k) for k in draft_words], vocab, 16))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    return dataclasses.replace(random_pair, head=head.to(torch.float64).bind(target, vocab), head_name="random")
+    return dataclasses.replace(random_pair, head=head.to(random_pair.dtype).bind(target, vocab), head_name="random")
 
 
 def test_the_head_drafts_a_tree_whose_greedy_path_is_the_chain(random_pair):

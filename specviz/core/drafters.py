@@ -20,7 +20,15 @@ from transformers import PreTrainedModel
 from ..models import native
 from ..models.eagle import EagleHead, HeadCache
 from .kvcache import KVState, left_padded, on_device
-from .sampling import SamplingParams, at_least_float32, chain_parents, draw_children, logits_to_probs, sample
+from .sampling import (
+    SamplingParams,
+    at_least_float32,
+    chain_parents,
+    draw_children,
+    logits_to_probs,
+    sample,
+    wide_dtype,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,8 +80,9 @@ class Proposal:
         return chain_parents(self.tokens.shape[0]) if self.parents is None else self.parents
 
     def tree_reads(self) -> torch.Tensor:
-        """[2γ] float64 on the device, what `settled` reads: a pending tree's parents, then its scores."""
-        return torch.cat([self.pending.parents.double(), self.pending.scores.double()])
+        """[2γ] on the device (wide_dtype), what `settled` reads: a pending tree's parents, then its scores."""
+        wide = wide_dtype(self.tokens.device)
+        return torch.cat([self.pending.parents.to(wide), self.pending.scores.to(wide)])
 
     def settled(self, values: list[float] | None = None) -> Proposal:
         """The proposal with its tree's parents and scores on the host; values: tree_reads(), read by the

@@ -51,7 +51,7 @@ from .events import (
     TopToken,
 )
 from .kvcache import CACHE_KINDS, KVState, Tree, on_device, stacked
-from .sampling import SamplingParams, accept_or_resample, children_of, logits_to_probs, rule_reads
+from .sampling import SamplingParams, accept_or_resample, children_of, logits_to_probs, rule_reads, wide_dtype
 from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
@@ -359,7 +359,7 @@ def _shown(proposal: Proposal, p_logits: torch.Tensor, p: torch.Tensor, params: 
 
 
 def _shown_reads(proposal: Proposal, p_show: Shown, q_show: Shown, best: torch.Tensor | None) -> torch.Tensor:
-    """The values shown for a round, as one float64 vector on the device: p of each drafted token at every
+    """The values shown for a round, as one vector on the device (wide_dtype): p of each drafted token at every
     row [g + 1, g] (its parent's row is picked on the host, so no index list goes to the device) and q of
     each [g]. Given best [g + 1], the extra token for each place the walk can end, known before it does
     (greedy: each row's argmax of the target's logits; sampled where a read waits: walk_ends): also its p at
@@ -370,7 +370,7 @@ def _shown_reads(proposal: Proposal, p_show: Shown, q_show: Shown, best: torch.T
         values.append(p_show.own(best))
         if drafts.numel():
             values.append(q_show.every(best).flatten())
-    return torch.cat(values).double()
+    return torch.cat(values).to(wide_dtype(drafts.device))
 
 
 def _read_together(values: list[torch.Tensor]) -> list[list[float]]:

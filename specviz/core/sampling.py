@@ -57,6 +57,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
 
 
+NO_FLOAT64 = {"mps"}  # device types without float64 (Apple's Metal)
+
+
+def wide_dtype(device: torch.device | str) -> torch.dtype:
+    """float64 where the device has it, else float32: for sums that must not round, and for the values a
+    round reads to the host at once (ids are exact below 2^53 in float64, 2^24 in float32: every
+    vocabulary is smaller; p and q are float32 or, in a float64 model, float64, kept whole)."""
+    return torch.float32 if torch.device(device).type in NO_FLOAT64 else torch.float64
+
+
 def at_least_float32(t: torch.Tensor) -> torch.Tensor:
     """bf16/fp16 -> float32 for the maths; float32 and float64 stay as they are."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -99,7 +109,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, one_uniform: 
     to rounding; a token of probability 0 has an empty interval and is never drawn. The same law as
     torch.multinomial, at about a tenth of its time for a 49,152-token vocabulary (one AVX2 CPU)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    wide = torch.float32 if probs.device.type == "mps" else torch.float64
+    wide = wide_dtype(probs.device)
     cdf = flat.to(wide).cumsum(-1)  # [R, V]
     total = cdf[:, -1:]
     u = torch.rand((1, 1) if one_uniform else total.shape, generator=generator, device=probs.device, dtype=wide) * total
@@ -203,7 +213,7 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None,
                greedy: bool = False, best: torch.Tensor | None = None,
                children: torch.Tensor | None = None) -> torch.Tensor:
-    """What the walk reads, as one float64 vector on the device (ids < 2^53: exact), so a caller can read
+    """What the walk reads, as one vector on the device (wide_dtype: ids and p kept exact), so a caller can read
     it together with other values at once (on a GPU each read waits for the queue). Greedy: the drafted
     ids [g] and each p row's argmax [g + 1]. Sampled: min(1, p(d)/q(d)) of every draft at every row
     [g + 1, g] (a node's parent row is picked on the host, so no index list goes to the device), the
@@ -211,11 +221,11 @@ def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator:
     children (sampled; children_of the nodes' parents): walk_ends [g] and [g + 1] too, so that the walk
     reads and draws nothing more. best: p.argmax(-1), if the caller has it already."""
     if greedy:
-        return torch.cat([draft, p.argmax(-1) if best is None else best]).double()
+        return torch.cat([draft, p.argmax(-1) if best is None else best]).to(wide_dtype(p.device))
     ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
     u = torch.rand(draft.shape[0], generator=generator, device=draft.device)
     ahead = [] if children is None else walk_ends(p, q, draft, children, generator)
-    return torch.cat([t.double() for t in (ratios.flatten(), u, draft, *ahead)])
+    return torch.cat([t.to(wide_dtype(p.device)) for t in (ratios.flatten(), u, draft, *ahead)])
 
 
 def accept_or_resample(

@@ -198,6 +198,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tu
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(DTYPES)}")
         chosen = DTYPES[dtype]
+        if device.type == "mps" and chosen == torch.float64:
+            raise ValueError("mps has no float64; choose auto, float32, bfloat16 or float16")
         why = "as asked"
         if device.type == "cpu" and chosen == torch.bfloat16:
             if "onednn" in kernels.unavailable(chosen):
