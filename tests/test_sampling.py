@@ -4,6 +4,7 @@ sampling, with the same warping applied to p and q."""
 import pytest
 import torch
 
+from specviz.core import sampling
 from specviz.core.sampling import (
     SamplingParams,
     accept_or_resample,
@@ -132,11 +133,12 @@ def test_sample_draws_each_token_at_its_probability_and_never_one_of_mass_zero(m
 
 
 @pytest.mark.parametrize("parents", [[-1, 0, 1], [-1, -1, 0, 0, -1, 2]], ids=["chain", "tree"])
-def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents):
+def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents, monkeypatch):
     """A sampled round reads, with the rule's values, each node's ratio against the r it is tried with and the
     token drawn for every node the walk can end at (walk_ends), so the walk asks the device for nothing. From
     the same generator state it comes out draw for draw as the walk that asks: the same kept path, ratios,
-    uniforms and last token, wherever it ends (after a rejection, after every child of a node, at a leaf)."""
+    uniforms and last token, wherever it ends (after a rejection, after every child of a node, at a leaf), and
+    the residual the correction came from; without the inspector (keep_residual=False) it computes none."""
     g = len(parents)
     p, _ = random_pq(5, SamplingParams(0.8), vocab=12)
     p = torch.cat([p[:1], p[1:]] * 4)[: g + 1].float()  # [g + 1, V]
@@ -145,7 +147,12 @@ def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents):
     children = children_of(torch.tensor(parents), 1 if g == 3 else 3)
     assert children.tolist() == ([[0], [1], [2], [3]] if g == 3 else  # padded with g: no node
                                  [[0, 1, 4], [2, 3, 6], [6, 6, 6], [5, 6, 6], [6, 6, 6], [6, 6, 6], [6, 6, 6]])
-    gen, ends_at, shapes = torch.Generator().manual_seed(2), set(), set()
+    gen, ends_at, shapes, made = torch.Generator().manual_seed(2), set(), set(), []
+
+    def counted(r, q_):  # residual_distribution, counting its calls
+        made.append(1)
+        return residual_distribution(r, q_)
+
     for _ in range(400):
         drafts = sample(q, gen)
         state = gen.get_state()
@@ -157,6 +164,15 @@ def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents):
         assert torch.equal(gen.get_state(), after)  # the same draws, no more
         assert (ahead.path, ahead.next_token, ahead.u, ahead.accept_probs, ahead.rejected) == \
             (asked.path, asked.next_token, asked.u, asked.accept_probs, asked.rejected)
+        assert (ahead.residual is None) == (asked.residual is None)  # what the correction was drawn from
+        assert ahead.residual is None or torch.equal(ahead.residual, asked.residual)
+        gen.set_state(state)
+        values = rule_reads(p, q, drafts, gen, children=children).tolist()
+        made.clear()
+        monkeypatch.setattr(sampling, "residual_distribution", counted)
+        bare = accept_or_resample(p, q, drafts, gen, parents=parents, keep_residual=False, values=values)
+        monkeypatch.undo()
+        assert not made and bare.residual is None and (bare.path, bare.next_token) == (asked.path, asked.next_token)
         ends_at.add(ahead.path[-1] if ahead.path else -1)
         shapes.add(len(ahead.rejected))
     assert ends_at == set(range(-1, g)) and max(shapes) >= children.shape[1]  # a node whose every child failed

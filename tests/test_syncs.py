@@ -71,16 +71,19 @@ def test_a_round_from_the_eagle_head_reads_once_chain_or_tree(random_pair, tempe
     """Inspector off, greedy or sampled: a round reads once. A chain from the EAGLE head reads nothing of its own
     (its drafts are kept from the first: none is likelier than the one before it); a tree is ranked, kept and laid
     out for the verify pass on the device, and its parents and scores come back with the rule's values (sampled,
-    the walk's later siblings and last draw too)."""
+    the walk's later siblings and last draw too). Where prompt lookup joins a tree, the tree's shape and ids and
+    the copied ids are read once more, for every row at once."""
     pair = dataclasses.replace(random_head_pair(random_pair), eos_token_ids=set())
-    for branch, nodes in ((1, 0), (1, 2), (3, 4)):
-        settings = Settings(drafter="eagle", gamma=3, branch=branch, nodes=nodes, max_new_tokens=12, record_top=0,
+    for drafter, branch, nodes in (("eagle", 1, 0), ("eagle", 1, 2), ("eagle", 3, 4), ("lookup+eagle", 3, 4)):
+        settings = Settings(drafter=drafter, gamma=3, branch=branch, nodes=nodes, max_new_tokens=12, record_top=0,
                             temperature=temperature)
         with SyncCounter() as syncs:
-            run = generate(pair, "", settings, prompt_ids=words(1, 2, 3))
+            run = generate(pair, "", settings, prompt_ids=words(1, 2, 3, 4, 1, 2, 3))
         drafting = sum(1 for e in run.events if e.drafted)
         assert drafting > 1 and (branch > 1) == any(p >= 0 for e in run.events for p in e.parents)
-        assert syncs.total == len(run.events), (branch, dict(syncs.counts))
+        joined = sum(1 for e in run.events if e.drafted_by == "lookup")
+        assert (drafter == "lookup+eagle") == (joined > 0)
+        assert syncs.total == len(run.events) + joined, (drafter, branch, dict(syncs.counts))
 
 
 def test_a_sampled_round_comes_out_the_same_whether_it_reads_ahead_or_asks(random_pair):

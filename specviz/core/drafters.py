@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from ..models import native
 from ..models.eagle import EagleHead, HeadCache
-from .kvcache import KVState, left_padded, on_device
+from .kvcache import KVState, left_padded, on_device, read_together
 from .sampling import (
     SamplingParams,
     at_least_float32,
@@ -488,7 +488,9 @@ class LookupFirstDrafter:
         if getattr(self.fallback, "branch", 1) > 1:  # a tree: the copied continuation joins it as a branch
             trees = self.fallback.propose(seqs, gammas, params, generators)
             budget = getattr(self.fallback, "nodes", 0)
-            return [graft(t.settled(), c, budget, drawn=not params.greedy) if c.tokens.numel() else t
+            joined = [i for i, c in enumerate(copied) if c.tokens.numel()]
+            host = iter(read_together([graft_reads(trees[i], copied[i]) for i in joined]))  # every row's, at once
+            return [graft(t, c, budget, not params.greedy, next(host)) if c.tokens.numel() else t
                     for c, t in zip(copied, trees, strict=True)]
         rest = self.fallback.propose(seqs, [0 if c.tokens.numel() else g for c, g in zip(copied, gammas, strict=True)],
                                      params, generators)
@@ -504,22 +506,33 @@ class LookupFirstDrafter:
         return self.fallback.cache_lens()
 
 
-def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False) -> Proposal:
+def graft_reads(tree: Proposal, chain: Proposal) -> torch.Tensor:
+    """What `graft` reads, as one vector on the device (wide_dtype): the tree's ids, the chain's, then a
+    pending tree's parents and scores."""
+    wide, pending = wide_dtype(tree.tokens.device), [tree.tree_reads()] if tree.pending is not None else []
+    return torch.cat([tree.tokens.to(wide), chain.tokens.to(wide), *pending])
+
+
+def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False,
+          values: list[float] | None = None) -> Proposal:
     """The tree with a deterministic chain (q one-hot, as prompt lookup's) joined from the root: where a
     node with the chain's next token exists it is shared, else a new node is added. Over a node budget,
     the tree's least likely leaves off the chain make room. The rule stays exact: every node is still a
     draw from its own q (sampling.py). A `drawn` tree (a sampled run's) must never lose a node for its
     value, or what is kept is no longer a draw from q (a likely token kept more often than q says): the
-    chain is its own branch, shares nothing, and the tree's last nodes in level and draw order make room."""
-    tree = tree.widened()  # the chain's tokens may lie outside the tree drafter's own vocabulary
-    parents, tokens = list(tree.tree), tree.tokens.tolist()
+    chain is its own branch, shares nothing, and the tree's last nodes in level and draw order make room.
+    values: graft_reads(tree, chain), read by the caller with other rows' (else read here: one wait)."""
+    values = graft_reads(tree, chain).tolist() if values is None else values
+    n, m = tree.tokens.shape[0], chain.tokens.shape[0]
+    tree = tree.settled(values[n + m :]).widened()  # widened: the chain's tokens may lie outside the tree's vocabulary
+    parents, tokens = list(tree.tree), [int(t) for t in values[:n]]
     scores = list(tree.scores) if tree.scores is not None else [1.0] * len(tokens)
     if drawn and budget:
-        tree_nodes = max(budget - len(chain.tokens), 0)
+        tree_nodes = max(budget - m, 0)
         parents, tokens, scores = parents[:tree_nodes], tokens[:tree_nodes], scores[:tree_nodes]
     from_tree = len(tokens)  # nodes below this index are the tree's
     on_chain, node = set(), -1
-    for token in chain.tokens.tolist():
+    for token in (int(t) for t in values[n : n + m]):
         child = None if drawn else next(
             (i for i, (p, t) in enumerate(zip(parents, tokens, strict=True)) if (p, t) == (node, token)), None)
         if child is None:

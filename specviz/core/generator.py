@@ -50,7 +50,7 @@ from .events import (
     RunMeta,
     TopToken,
 )
-from .kvcache import CACHE_KINDS, KVState, Tree, on_device, stacked
+from .kvcache import CACHE_KINDS, KVState, Tree, on_device, read_together, stacked
 from .sampling import SamplingParams, accept_or_resample, children_of, logits_to_probs, rule_reads, wide_dtype
 from .schedules import POLICIES, make_policy
 
@@ -373,15 +373,6 @@ def _shown_reads(proposal: Proposal, p_show: Shown, q_show: Shown, best: torch.T
     return torch.cat(values).to(wide_dtype(drafts.device))
 
 
-def _read_together(values: list[torch.Tensor]) -> list[list[float]]:
-    """Each 1-d device tensor as a host list, all in one read."""
-    flat, out, at = torch.cat(values).tolist(), [], 0
-    for v in values:
-        out.append(flat[at : at + v.numel()])
-        at += v.numel()
-    return out
-
-
 def _round_tokens(proposal, tokens, p_show, q_show, shown, verdict, path, stop_at, params, record_top, text):
     """The round's drafted nodes (tokens: their ids) and its correction or bonus token, as events.
     p_show, q_show: what the viewer sees (_shown); shown: _shown_reads of them, read; path: the kept nodes."""
@@ -573,11 +564,11 @@ def decode(
         wanted += [_shown_reads(prop, *show, bests[i])
                    for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
         wanted += [prop.tree_reads() for prop in proposals if prop.pending is not None]  # and its shape, last
-        host = _read_together(wanted)
+        host = read_together(wanted)
         shapes_read = iter(host[2 * len(active) :])
         proposals = [prop if prop.pending is None else prop.settled(next(shapes_read)) for prop in proposals]
         verdicts = [accept_or_resample(ps[i], prop.q, prop.tokens, generators[r], params.greedy, prop.parents,
-                                       host[i])
+                                       host[i], keep_residual=settings.record_top > 0)
                     for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
         _sync(device)
         t2 = time.perf_counter()

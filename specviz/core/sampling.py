@@ -236,6 +236,7 @@ def accept_or_resample(
     greedy: bool = False,
     parents: list[int] | None = None,
     values: list[float] | None = None,
+    keep_residual: bool = True,
 ) -> Verdict:
     """One round of the rule over g drafted nodes. p: target [g+1, V] (row 0 after the last kept
     token, row 1+i after node i), q: [g, V] (row i: what node i was drawn from), draft: ids [g],
@@ -250,7 +251,8 @@ def accept_or_resample(
 
     values: rule_reads(p, q, draft, generator, greedy, children=...) read to the host by the caller; else
     read here. With walk_ends in them, the walk takes its later children's ratios and its last token from
-    there instead of asking the device (the same numbers, the same draw).
+    there instead of asking the device (the same numbers, the same draw), and computes no residual on the
+    way: only the one the correction was drawn from, for Verdict.residual, and that only if keep_residual.
     """
     gamma = draft.shape[0]
     parents = chain_parents(gamma) if parents is None else parents
@@ -284,7 +286,7 @@ def accept_or_resample(
                 kept = child
                 break
             rejected.append(child)
-            if not greedy:
+            if not greedy and not ends:
                 r = residual = residual_distribution(r, q[child])
         if kept is None:
             break
@@ -294,6 +296,8 @@ def accept_or_resample(
         next_token = best[node + 1]  # the argmax of the row the walk ended at
     elif ends:
         next_token = int(ends[node + 1])  # drawn already, from the same r and uniform
+        for child in (c for c in rejected if keep_residual and parents[c] == node):  # the walk's last r
+            residual = residual_distribution(p[node + 1] if residual is None else residual, q[child])
     else:
         next_token = int(sample(r, generator))
     return Verdict(path, next_token, accept_probs, u_used, rejected, residual, tokens)
