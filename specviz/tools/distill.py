@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ..core.drafters import Columns
 from ..core.kvcache import KVState, on_device
 from ..models import kernels
 from ..models.eagle import EagleHead, HeadConfig
@@ -248,7 +249,7 @@ def draft_vocabulary(samples: list[FeatureSample], size: int, vocab_size: int) -
 
 def _eagle_batch(samples: list[FeatureSample], steps: int, to_draft: torch.Tensor, device):
     """tokens [B, L], features [B, L-1, F] (zero-padded), and the labels by position k (predicting
-    x_{k+1}): target ids [B, L+steps, k], their draft ids (-1 outside the draft vocabulary) and
+    x_{k+1}): target ids [B, L+steps, k], their draft ids (N outside the draft vocabulary of N) and
     probabilities (0 where position k has no label)."""
     length = max(len(s.ids) for s in samples)
     k = samples[0].top_ids.shape[1]
@@ -275,9 +276,9 @@ def eagle_loss(head, samples: list[FeatureSample], steps: int, to_draft: torch.T
     for j, h in enumerate(head.forward_train(tokens, feats, steps), start=1):
         has = probs[:, j : j + n, 0] > 0  # [B, n] entries with a label: only their logits are computed
         label_ids, label_draft = ids[:, j : j + n][has], draft_ids[:, j : j + n][has]  # [M, k]
-        label_p, reachable = probs[:, j : j + n][has], label_draft >= 0
         logq = head.logits(h[has]).float().log_softmax(-1)  # [M, N]
-        logq_label = logq.gather(-1, label_draft.clamp_min(0))  # [M, k]
+        label_p, reachable = probs[:, j : j + n][has], label_draft < logq.shape[-1]
+        logq_label = logq.gather(-1, label_draft.clamp_max(logq.shape[-1] - 1))  # [M, k]
         loss = -(label_p * reachable * logq_label).sum(-1).mean()  # the mass the head can reach
         total = total + decay ** (j - 1) * loss
         with torch.no_grad():
@@ -559,10 +560,9 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
             with torch.no_grad():
                 head.final_norm.copy_(final_norm.weight.float())
     draft_vocab = config.draft_vocab
-    to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
-    to_draft[torch.tensor(draft_vocab)] = torch.arange(len(draft_vocab))
+    to_draft = Columns.of_ids(torch.tensor(draft_vocab), vocab_size).of  # [V]: N where the head cannot draft
     held_tokens = torch.cat([torch.tensor(s.ids[s.start :]) for s in held_out])
-    coverage = float((to_draft[held_tokens.clamp_max(vocab_size - 1)] >= 0).float().mean())
+    coverage = float((to_draft[held_tokens.clamp_max(vocab_size - 1)] < len(draft_vocab)).float().mean())
     progress(f"draft vocabulary: {len(draft_vocab)} ids cover {coverage:.1%} of the held-out answers' tokens")
     head.embed_weight, head.out_weight = head.embed_weight.float(), head.out_weight.float()  # frozen, fp32 maths
     del target
