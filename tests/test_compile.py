@@ -1,6 +1,7 @@
 """Compiled forwards (torch.compile of the static cache's Llama forward): same text as eager, and
 a clear fallback to eager when compiling is impossible."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -11,6 +12,7 @@ from specviz.core.generator import Settings, generate, generate_batch
 from specviz.models.leanllama import LeanLlama
 from specviz.models.loading import load_pair
 
+REAL_COMPILE = torch.compile
 PROMPTS = [words(2, 3, 4, 5), words(20, 21, 22), words(30, 31, 32, 33)]  # prefills of 2-3 tokens: one width
 
 
@@ -216,3 +218,53 @@ def test_past_the_graph_budget_new_shapes_run_eager_and_say_so(pattern_dirs, pat
     assert run.token_ids == eager.token_ids
     shapes = [len(LeanLlama.of(m).compiled_shapes) for m in (pair.target, pair.draft)]
     assert sum(shapes) == LeanLlama.shapes_compiled == 2 and "2 shapes compiled in this process" in caplog.text
+
+
+class ReplayingHead:
+    """The EAGLE head's compiled layer compiled for real (inductor), its outputs handed out in buffers that the
+    next call overwrites (NaN first), as a CUDA graph's replay would."""
+
+    def __init__(self, fn):
+        self.fn, self.buffers, self.shapes = REAL_COMPILE(fn, dynamic=False), {}, []
+
+    def __call__(self, *args):
+        self.shapes.append(tuple(args[2].shape))
+        h, logits = self.fn(*args)
+        for buffer in self.buffers.values():
+            buffer.fill_(float("nan"))
+        return tuple(self.buffers.setdefault((name, x.shape), torch.empty_like(x)).copy_(x)
+                     for name, x in (("h", h), ("logits", logits)))
+
+
+@pytest.mark.slow
+def test_the_eagle_heads_compiled_steps_draft_what_its_eager_steps_draft(pattern_dirs, monkeypatch):
+    """Where no C call runs the head's layer (a GPU; here specviz's C library is switched off), --compile runs
+    the head's drafting steps compiled, at a few shapes: entries padded to a compiled width, the cache's capacity
+    256 times a power of two. Chain and tree, alone and batched: the same drafts, q to rounding and the same
+    greedy text as its eager steps, with its graphs' outputs overwritten at every call as CUDA graphs would."""
+    from test_trees import random_head_pair
+
+    from specviz.models import native
+
+    monkeypatch.setattr(native, "runs_here", lambda: False)
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **kw: Replaying(fn) if isinstance(fn, LeanLlama) else ReplayingHead(fn))
+    head = random_head_pair(fresh_pair(pattern_dirs), draft_words=range(12))
+    pair = dataclasses.replace(head, eos_token_ids=set())
+    eager_pair = dataclasses.replace(random_head_pair(fresh_pair(pattern_dirs), draft_words=range(12)),
+                                     eos_token_ids=set())
+    pair.head.compiler()
+    pair.head.graphs = True  # outputs copied, as on CUDA
+    for settings in (Settings(drafter="eagle", gamma=3, max_new_tokens=12, compile=True),
+                     Settings(drafter="eagle", gamma=3, branch=3, nodes=5, max_new_tokens=12, compile=True)):
+        runs = [generate(pair, "", settings, prompt_ids=p) for p in PROMPTS[:2]]
+        runs += generate_batch(pair, [""] * 2, settings, prompts_ids=PROMPTS[:2])
+        eager = [generate(eager_pair, "", dataclasses.replace(settings, compile=False), prompt_ids=p)
+                 for p in PROMPTS[:2]] * 2
+        assert [r.token_ids for r in runs] == [r.token_ids for r in eager]
+        assert [[d[:2] for d in drafted(r)] for r in runs] == [[d[:2] for d in drafted(r)] for r in eager]
+        q = [d[2] for r in runs for d in drafted(r)]
+        assert q == pytest.approx([d[2] for r in eager for d in drafted(r)], abs=1e-4)
+    shapes = pair.head.compiled.shapes
+    assert shapes and {s[1] for s in shapes} <= {1, 4, 8, 16} and {s[0] for s in shapes} == {1, 2}
+    assert pair.head.compile_note == "" and eager_pair.head.compiled is None

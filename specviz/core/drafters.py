@@ -268,15 +268,17 @@ class EagleDrafter:
     requires_hidden = True
 
     def __init__(self, head: EagleHead, vocab_size: int, pad_id: int, capacity: int, name: str = "EAGLE head",
-                 branch: int = 1, nodes: int = 0):
+                 branch: int = 1, nodes: int = 0, compile: bool = False):
         self.head, self.vocab_size, self.pad_id, self.capacity, self.name = head, vocab_size, pad_id, capacity, name
+        self.compile = compile  # the head's steps compiled where no C call runs its layer (EagleHead.step)
         self.columns = Columns.of_ids(head.draft_ids, vocab_size)  # q and logits stay on the head's vocabulary
         self.branch, self.nodes = branch, nodes  # children per node (1: a chain); nodes kept (0: all drafted)
         self.cache: HeadCache | None = None
         self.pending: list[torch.Tensor] = []  # per row: [n, F] features whose entries are not written yet
 
     def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
-        self.cache, self.device = HeadCache(self.head, len(prompts), self.capacity, like=hidden), hidden.device
+        self.cache = HeadCache(self.head, len(prompts), self.capacity, like=hidden, compile=self.compile)
+        self.device = hidden.device
         width = hidden.shape[1]
         self.pending = [hidden[row, width - (len(p) - 1) :] for row, p in enumerate(prompts)]  # f_0..f_{P-2}
 

@@ -434,7 +434,7 @@ def _head_name(pair: ModelPair) -> str:
 
 def _head(pair: ModelPair, settings: Settings, capacity: int) -> EagleDrafter:
     return EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, _head_name(pair), settings.branch,
-                        settings.nodes)
+                        settings.nodes, settings.compile)
 
 
 DRAFTER_KINDS: dict[str, DrafterKind] = {

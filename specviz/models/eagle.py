@@ -40,7 +40,19 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from . import native
-from .leanllama import Linear, attend, in_c, layer_plan, layers_plan, rotate, silu_mul
+from .leanllama import (
+    WIDTHS,
+    Linear,
+    attend,
+    compile_fixed,
+    compiled_capacity,
+    in_c,
+    layer_plan,
+    layers_plan,
+    rotate,
+    run_fixed,
+    silu_mul,
+)
 
 CONFIG_FILE, WEIGHTS_FILE = "eagle_config.json", "eagle_head.safetensors"
 
@@ -127,6 +139,11 @@ class EagleHead(nn.Module):
         self._lean: dict | None = None  # name -> packed linear, built on first drafting step
         self._lean_linears: dict[str, Linear] | None = None
         self._native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
+        self.name = "the EAGLE head"
+        self.compiled = None  # the compiled drafting step (`compiler`), once asked for
+        self.compile_note = ""  # why compiling was given up, if it was
+        self.compiled_shapes: set[tuple] = set()
+        self.graphs = False  # the compiled step replays as CUDA graphs (set by `compiler`)
 
     # -- binding and files ---------------------------------------------------------------------
 
@@ -175,10 +192,10 @@ class EagleHead(nn.Module):
         """Entries (g, token) [B, t] -> the layer's input x [B, t, D]."""
         return lin["in_proj"](torch.cat([F.embedding(tokens, self.embed_weight), g], -1))
 
-    def _qkv(self, tokens, g, cos, sin, lin, x=None):
+    def _qkv(self, tokens, g, cos, sin, lin):
         """cos, sin [B, t, hd] at the entries' positions -> x [B, t, D] and q, k, v [B, heads, t, hd]."""
         c = self.config
-        x = self._entries(tokens, g, lin) if x is None else x  # [B, t, D]
+        x = self._entries(tokens, g, lin)  # [B, t, D]
         qkv = lin["qkv"](_rms(x, self.attn_norm, c.eps)).view(*x.shape[:2], -1, c.head_dim)  # [B, t, all heads, hd]
         qk = rotate(qkv[:, :, : c.heads + c.kv_heads], cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype))
         q, k, v = qk[:, :, : c.heads], qk[:, :, c.heads :], qkv[:, :, c.heads + c.kv_heads :]
@@ -250,27 +267,63 @@ class EagleHead(nn.Module):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write entries (g, token) [B, t] at cache slots [B, t] and attend over slots <= position, or,
         for a tree's entries, over the slots visible [B, t, C + 1] says (the real ones and the ancestors').
+        Where no C call runs the layer, a compiled cache's steps run compiled (`compiler`).
 
         Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N]."""
-        lin, c = self._linears(lean), self.config
+        c = self.config
         cos, sin = _rope_table(c.head_dim, c.rope_theta, cache.keys.shape[2], positions.device, cache.keys.dtype)
-        cos, sin = cos[positions], sin[positions]  # [B, t, hd]
         # [B, t, C + 1]: entries are contiguous from 0
         mask = cache.slot_index <= positions[..., None] if visible is None else visible
-        x = self._entries(tokens, g, lin)
-        weights = self.native_weights(tokens.numel()) if lean and in_c(x, whole_layers=True) else None
+        weights = self.native_weights(tokens.numel()) if lean and in_c(g, whole_layers=True) else None
         if weights is not None:  # the layer as one C call (the target's layers' function; in bfloat16 the same bits)
             shape = (c.heads, c.kv_heads, c.head_dim, c.intermediate)
-            h = native.layers(x, weights, [cache.keys], [cache.values], cos, sin, slots, mask[:, None],
-                              cache.keys.shape[2], shape, c.eps)
+            x = self._entries(tokens, g, self._linears(lean))
+            h = native.layers(x, weights, [cache.keys], [cache.values], cos[positions], sin[positions], slots,
+                              mask[:, None], cache.keys.shape[2], shape, c.eps)
             return h, self.logits(h, lean)
-        x, q, k, v = self._qkv(tokens, g, cos, sin, lin, x)
+        width = next((w for w in WIDTHS if w >= tokens.shape[1]), None)
+        if lean and cache.compiled and width is not None and self.compiled is not None:
+            out = self._compiled_step(cache, tokens, g, slots, positions, mask, cos, sin, width)
+            if out is not None:
+                return out
+        return self._layer(cache.keys, cache.values, tokens, g, cos[positions], sin[positions], slots, mask, lean)
+
+    def _layer(self, keys, values, tokens, g, cos, sin, slots, mask, lean=True):
+        """The step's layer: entries (g, token) [B, t] with their cos, sin [B, t, hd]; keys and values
+        [B, kv, C + 1, hd] written at slots [B, t] in place; mask [B, t, C + 1] -> h [B, t, D], logits [B, t, N]."""
+        lin = self._linears(lean)
+        x, q, k, v = self._qkv(tokens, g, cos, sin, lin)
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-        cache.keys[rows, :, slots] = k.transpose(1, 2)  # [B, t, kv, hd] into [B, kv, C + 1, hd] at each row's slots
-        cache.values[rows, :, slots] = v.transpose(1, 2)
-        attended = attend(q, cache.keys, cache.values, mask[:, None], lossy=lean)
+        keys[rows, :, slots] = k.transpose(1, 2)  # [B, t, kv, hd] into [B, kv, C + 1, hd] at each row's slots
+        values[rows, :, slots] = v.transpose(1, 2)
+        attended = attend(q, keys, values, mask[:, None], lossy=lean)
         h = self._finish(x, attended, lin)
         return h, self.logits(h, lean)
+
+    def compiler(self):
+        """The compiled step's layer (made once; CUDA graphs on CUDA, as the target's forward), or None with
+        compile_note saying why not."""
+        if self.compiled is None and not self.compile_note:
+            self.graphs = self.fc.weight.device.type == "cuda"
+        return compile_fixed(self, self._layer, self.fc.weight.device)
+
+    def _compiled_step(self, cache, tokens, g, slots, positions, mask, cos, sin, width):
+        """`_layer` compiled at fixed shapes: t entries padded with holes to `width` (token 0 at position 0,
+        written to the scratch slot, seeing slot 0 only), dropped after. None if compiling was given up."""
+        t, pad = tokens.shape[1], width - tokens.shape[1]
+        positions = F.pad(positions, (0, pad))
+        holes = F.pad(mask.new_ones(mask.shape[0], pad, 1), (0, mask.shape[2] - 1))  # [B, pad, C + 1]: slot 0
+        args = (cache.keys, cache.values, F.pad(tokens, (0, pad)), F.pad(g, (0, 0, 0, pad)), cos[positions],
+                sin[positions], F.pad(slots, (0, pad), value=cache.scratch), torch.cat([mask, holes], 1))
+        shape = ((g.shape[0], width), tuple(cache.keys.shape))
+        if shape not in self.compiled_shapes:  # packed before tracing: the graph takes the eager step's products
+            for lin in self.lean_linears().values():
+                lin.path(g.shape[0] * width)
+        out = run_fixed(self, shape, f"{width} entries", args)
+        if out is None:
+            return None
+        h, logits = (x[:, :t] for x in out)
+        return (h.clone(), logits.clone()) if self.graphs else (h, logits)  # a replay overwrites its outputs
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
         """The layer's weights for native.layers at this row count (leanllama.layer_plan's), or None."""
@@ -296,13 +349,24 @@ class HeadCache:
     Row b's real entries fill slots 0..lengths[b]-1, one per position; drafted entries go after
     them and are forgotten by not moving the length (rollback is free)."""
 
-    def __init__(self, head: EagleHead, batch: int, capacity: int, like: torch.Tensor):
+    def __init__(self, head: EagleHead, batch: int, capacity: int, like: torch.Tensor, compile: bool = False):
         c = head.config
+        # steps run compiled (EagleHead.step) where the layer is not one C call (a GPU; CPUs without the library)
+        self.compiled = compile and not in_c(like, whole_layers=True) and head.compiler() is not None
+        self.graphs = self.compiled and head.graphs
+        capacity = compiled_capacity(capacity) if self.compiled else capacity  # few shapes, few graphs
         shape = (batch, c.kv_heads, capacity + 1, c.head_dim)
         self.keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.values = torch.zeros_like(self.keys)
+        self._fixed()
         self.slot_index = _slot_index(capacity, like.device)
         self.lengths = [0] * batch
+
+    def _fixed(self) -> None:
+        """CUDA graphs write into the caches in place: a new address re-records them, not recompiles."""
+        if self.graphs:
+            for cache in (self.keys, self.values):
+                torch._dynamo.mark_static_address(cache, guard=False)
 
     @property
     def scratch(self) -> int:
@@ -312,12 +376,14 @@ class HeadCache:
         """Grow (doubling) so that slots 0..need-1 exist."""
         if need <= self.scratch:
             return
-        capacity = max(need, 2 * self.scratch)
+        capacity = compiled_capacity(need) if self.compiled else max(need, 2 * self.scratch)
         grow = (0, 0, 0, capacity - self.scratch)  # more slots on dim 2; a fresh scratch slot last
         self.keys, self.values = F.pad(self.keys, grow), F.pad(self.values, grow)
+        self._fixed()
         self.slot_index = _slot_index(capacity, self.keys.device)
 
     def select(self, rows: list[int]) -> None:
         index = torch.tensor(rows, device=self.keys.device)
         self.keys, self.values = self.keys[index], self.values[index]
+        self._fixed()
         self.lengths = [self.lengths[r] for r in rows]

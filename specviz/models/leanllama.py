@@ -481,55 +481,67 @@ class LeanLlama(nn.Module):
 
     def compiler(self):
         """The compiled forward (made once), or None with `compile_note` saying why not."""
-        if self.compiled is None and not self.compile_note:
-            device = self.head.weight.device
-            if device.type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
-                self.compile_note = "no C++ compiler found (inductor needs one on a CPU)"
-            else:
-                _use_our_inductor_cache()
-                # kept out of the module tree, since it wraps this module
-                options = {"triton.cudagraphs": self.graphs}
-                if device.type == "cpu" and _vector_isa_known_good():
-                    options["cpp.vec_isa_ok"] = True
-                # dynamo keeps at most recompile_limit graphs per function, and every model shares this
-                # forward: a graph per width, batch size and capacity; run_compiled stops at GRAPHS
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
-                self.__dict__["compiled"] = torch.compile(self, dynamic=False, options=options)
-                for lin in self.linears():  # packed before tracing: graphs take the packed weights as inputs
-                    for width in WIDTHS:
-                        lin.path(width)
-            if self.compile_note:
-                log.warning("specviz: not compiling %s: %s; running eager", self.name, self.compile_note)
+        first = self.compiled is None and not self.compile_note
+        if compile_fixed(self, self, self.head.weight.device) is not None and first:
+            for lin in self.linears():  # packed before tracing: graphs take the packed weights as inputs
+                for width in WIDTHS:
+                    lin.path(width)
         return self.compiled
 
     def run_compiled(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One compiled forward, or None after giving up on compiling (the caller runs eager)."""
         ids, keys = args[0], args[4]
-        shape = (tuple(ids.shape), tuple(keys[0].shape))
-        new = shape not in self.compiled_shapes
-        if new and LeanLlama.shapes_compiled >= GRAPHS:  # dynamo would fall back to eager without a word
-            log.warning("specviz: %d shapes compiled in this process, the most kept; %s runs a forward of %s "
-                        "eager", GRAPHS, self.name, shape)
-            return None
-        if new:
-            LeanLlama.shapes_compiled += 1
-            log.warning("specviz: preparing the compiled forward of %s for %d token(s) (compiling takes about "
-                        "a minute on a small CPU; later starts load it from %s)", self.name, ids.shape[1],
-                        os.environ.get("TORCHINDUCTOR_CACHE_DIR"), extra=PROGRESS)
-            started, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
-        try:
-            out = self.compiled(*args)
-        except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, and say why
-            self.__dict__["compiled"] = None
-            self.compile_note = f"compiling failed ({type(err).__name__}: {err})"[:500]
-            log.warning("specviz: %s; %s runs eager", self.compile_note, self.name)
-            return None
-        if new:
-            loaded = counters["inductor"]["fxgraph_cache_hit"] > hits
-            log.warning("specviz: ready in %.1f s (%s)", time.perf_counter() - started,
-                        "loaded from the disk cache" if loaded else "compiled", extra=PROGRESS)
-        self.compiled_shapes.add(shape)
-        return out
+        return run_fixed(self, (tuple(ids.shape), tuple(keys[0].shape)), f"{ids.shape[1]} token(s)", args)
+
+
+def compile_fixed(owner, fn: Callable, device: torch.device) -> Callable | None:
+    """owner.compiled: fn compiled at fixed shapes (made once; CUDA graphs where owner.graphs), or None with
+    owner.compile_note saying why not. owner: a lean model or a draft head (name, graphs, compiled,
+    compile_note, compiled_shapes)."""
+    if owner.compiled is None and not owner.compile_note:
+        if device.type == "cpu" and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+            owner.compile_note = "no C++ compiler found (inductor needs one on a CPU)"
+        else:
+            _use_our_inductor_cache()
+            options = {"triton.cudagraphs": owner.graphs}
+            if device.type == "cpu" and _vector_isa_known_good():
+                options["cpp.vec_isa_ok"] = True
+            # dynamo keeps at most recompile_limit graphs per function, and the lean models share one
+            # forward: a graph per width, batch size and capacity; run_fixed stops at GRAPHS
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS)
+            owner.__dict__["compiled"] = torch.compile(fn, dynamic=False, options=options)  # (not a submodule)
+        if owner.compile_note:
+            log.warning("specviz: not compiling %s: %s; running eager", owner.name, owner.compile_note)
+    return owner.compiled
+
+
+def run_fixed(owner, shape: tuple, what: str, args: tuple):
+    """owner.compiled(*args) at `shape`, or None after giving up on compiling (the caller runs eager): past
+    GRAPHS shapes in this process (all owners together), or once compiling failed (said once, with why)."""
+    new = shape not in owner.compiled_shapes
+    if new and LeanLlama.shapes_compiled >= GRAPHS:  # dynamo would fall back to eager without a word
+        log.warning("specviz: %d shapes compiled in this process, the most kept; %s runs a forward of %s "
+                    "eager", GRAPHS, owner.name, shape)
+        return None
+    if new:
+        LeanLlama.shapes_compiled += 1
+        log.warning("specviz: preparing the compiled forward of %s for %s (compiling takes about "
+                    "a minute on a small CPU; later starts load it from %s)", owner.name, what,
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"), extra=PROGRESS)
+        started, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
+    try:
+        out = owner.compiled(*args)
+    except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, and say why
+        owner.__dict__["compiled"] = None
+        owner.compile_note = f"compiling failed ({type(err).__name__}: {err})"[:500]
+        log.warning("specviz: %s; %s runs eager", owner.compile_note, owner.name)
+        return None
+    if new:
+        loaded = counters["inductor"]["fxgraph_cache_hit"] > hits
+        log.warning("specviz: ready in %.1f s (%s)", time.perf_counter() - started,
+                    "loaded from the disk cache" if loaded else "compiled", extra=PROGRESS)
+    owner.compiled_shapes.add(shape)
+    return out
 
 
 class LeanCache:
