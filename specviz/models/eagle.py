@@ -383,6 +383,11 @@ class HeadCache:
         self.slot_index = _slot_index(capacity, self.keys.device)
 
     def select(self, rows: list[int]) -> None:
+        """Keep these rows. Once rows leave, a compiled cache's steps run eager: each new row count would
+        compile graphs of its own (the target's cache keeps its rows as holes instead; the head's steps cost
+        far less)."""
+        if len(rows) != self.keys.shape[0]:
+            self.compiled = self.graphs = False
         index = torch.tensor(rows, device=self.keys.device)
         self.keys, self.values = self.keys[index], self.values[index]
         self._fixed()
