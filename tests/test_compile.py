@@ -225,10 +225,11 @@ class ReplayingHead:
     next call overwrites (NaN first), as a CUDA graph's replay would."""
 
     def __init__(self, fn):
-        self.fn, self.buffers, self.shapes = REAL_COMPILE(fn, dynamic=False), {}, []
+        self.fn, self.buffers, self.shapes, self.addresses = REAL_COMPILE(fn, dynamic=False), {}, [], set()
 
     def __call__(self, *args):
         self.shapes.append(tuple(args[2].shape))
+        self.addresses.add(args[0].data_ptr())  # the cache's keys
         h, logits = self.fn(*args)
         for buffer in self.buffers.values():
             buffer.fill_(float("nan"))
@@ -240,8 +241,9 @@ class ReplayingHead:
 def test_the_eagle_heads_compiled_steps_draft_what_its_eager_steps_draft(pattern_dirs, monkeypatch):
     """Where no C call runs the head's layer (a GPU; here specviz's C library is switched off), --compile runs
     the head's drafting steps compiled, at a few shapes: entries padded to a compiled width, the cache's capacity
-    256 times a power of two. Chain and tree, alone and batched: the same drafts, q to rounding and the same
-    greedy text as its eager steps, with its graphs' outputs overwritten at every call as CUDA graphs would."""
+    256 times a power of two, its caches lent by the head and handed back (a second run replays in the first's).
+    Chain and tree, alone and batched: the same drafts, q to rounding and the same greedy text as its eager
+    steps, with its graphs' outputs overwritten at every call as CUDA graphs would."""
     from test_trees import random_head_pair
 
     from specviz.models import native
@@ -255,13 +257,16 @@ def test_the_eagle_heads_compiled_steps_draft_what_its_eager_steps_draft(pattern
     pair.head.graphs = True  # outputs copied, as on CUDA
     for settings in (Settings(drafter="eagle", gamma=3, max_new_tokens=12, compile=True),
                      Settings(drafter="eagle", gamma=3, branch=3, nodes=5, max_new_tokens=12, compile=True)):
+        pair.head.compiled.shapes.clear()
+        pair.head.compiled.addresses.clear()
         runs = [generate(pair, "", settings, prompt_ids=p) for p in PROMPTS[:2]]
         assert {s[0] for s in pair.head.compiled.shapes} == {1}
+        assert len(pair.head.compiled.addresses) == 1  # the second run drafts in the first's caches, as graphs need
+        assert all(c._dynamo_static_input_type == "unguarded" for c in pair.head.spare[0][0])
         pair.head.compiled.shapes.clear()
         runs += generate_batch(pair, [""] * 2, settings, prompts_ids=PROMPTS[:2])
         # a row that finished first leaves: the other drafts eager after, no graph per row count
         assert {s[0] for s in pair.head.compiled.shapes} == {2} and len({len(r.events) for r in runs[2:]}) == 2
-        pair.head.compiled.shapes.clear()
         eager = [generate(eager_pair, "", dataclasses.replace(settings, compile=False), prompt_ids=p)
                  for p in PROMPTS[:2]] * 2
         assert [r.token_ids for r in runs] == [r.token_ids for r in eager]

@@ -30,6 +30,7 @@ import ctypes
 import functools
 import json
 import math
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,9 +47,11 @@ from .leanllama import (
     attend,
     compile_fixed,
     compiled_capacity,
+    give_back,
     in_c,
     layer_plan,
     layers_plan,
+    lend,
     rotate,
     run_fixed,
     silu_mul,
@@ -144,6 +147,7 @@ class EagleHead(nn.Module):
         self.compile_note = ""  # why compiling was given up, if it was
         self.compiled_shapes: set[tuple] = set()
         self.graphs = False  # the compiled step replays as CUDA graphs (set by `compiler`)
+        self.spare: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # compiled caches no one holds
 
     # -- binding and files ---------------------------------------------------------------------
 
@@ -347,48 +351,52 @@ class HeadCache:
     writes (the target's cache layout, so that its C functions take the head's too).
 
     Row b's real entries fill slots 0..lengths[b]-1, one per position; drafted entries go after
-    them and are forgotten by not moving the length (rollback is free)."""
+    them and are forgotten by not moving the length (rollback is free). Compiled (where no C call runs the
+    head's layer), the steps run compiled (EagleHead.step) over a set of the head's spare caches at fixed
+    addresses, handed back when the cache is dropped, as the target's compiled caches are (leanllama.lend)."""
 
     def __init__(self, head: EagleHead, batch: int, capacity: int, like: torch.Tensor, compile: bool = False):
-        c = head.config
-        # steps run compiled (EagleHead.step) where the layer is not one C call (a GPU; CPUs without the library)
         self.compiled = compile and not in_c(like, whole_layers=True) and head.compiler() is not None
-        self.graphs = self.compiled and head.graphs
-        capacity = compiled_capacity(capacity) if self.compiled else capacity  # few shapes, few graphs
-        shape = (batch, c.kv_heads, capacity + 1, c.head_dim)
-        self.keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        self.values = torch.zeros_like(self.keys)
-        self._fixed()
-        self.slot_index = _slot_index(capacity, like.device)
+        self.head, self.lease = head, [None]  # compiled: the set held
+        if self.compiled:
+            weakref.finalize(self, give_back, head.spare, self.lease)
+        self._hold(batch, compiled_capacity(capacity) if self.compiled else capacity, like)
         self.lengths = [0] * batch
 
-    def _fixed(self) -> None:
-        """CUDA graphs write into the caches in place: a new address re-records them, not recompiles."""
-        if self.graphs:
-            for cache in (self.keys, self.values):
-                torch._dynamo.mark_static_address(cache, guard=False)
+    def _hold(self, batch: int, capacity: int, like: torch.Tensor) -> None:
+        """Caches of `batch` rows, `capacity` slots and the scratch slot (compiled: a spare set, if one fits)."""
+        c = self.head.config
+        shape = (batch, c.kv_heads, capacity + 1, c.head_dim)
+        if self.compiled:
+            (self.keys,), (self.values,) = self.lease[0] = lend(self.head.spare, self.head.graphs, shape, 1, like)
+        else:
+            self.keys, self.values = like.new_zeros(shape), like.new_zeros(shape)
+        self.slot_index = _slot_index(self.scratch, like.device)
 
     @property
     def scratch(self) -> int:
         return self.keys.shape[2] - 1
 
     def reserve(self, need: int) -> None:
-        """Grow (doubling) so that slots 0..need-1 exist."""
+        """Grow (doubling; compiled, to 256 times a power of two: few shapes) so that slots 0..need-1 exist."""
         if need <= self.scratch:
             return
-        capacity = compiled_capacity(need) if self.compiled else max(need, 2 * self.scratch)
-        grow = (0, 0, 0, capacity - self.scratch)  # more slots on dim 2; a fresh scratch slot last
-        self.keys, self.values = F.pad(self.keys, grow), F.pad(self.values, grow)
-        self._fixed()
-        self.slot_index = _slot_index(capacity, self.keys.device)
+        keys, values, lease, slots = self.keys, self.values, self.lease[:], self.scratch
+        self._hold(keys.shape[0], compiled_capacity(need) if self.compiled else max(need, 2 * slots), keys)
+        self.keys[:, :, :slots], self.values[:, :, :slots] = keys[:, :, :slots], values[:, :, :slots]
+        give_back(self.head.spare, lease)
 
     def select(self, rows: list[int]) -> None:
-        """Keep these rows. Once rows leave, a compiled cache's steps run eager: each new row count would
-        compile graphs of its own (the target's cache keeps its rows as holes instead; the head's steps cost
-        far less)."""
-        if len(rows) != self.keys.shape[0]:
-            self.compiled = self.graphs = False
+        """Keep these rows. Compiled, in place while the row count stays; once rows leave, the steps run eager:
+        each new row count would compile graphs of its own (the target's cache keeps its rows as holes instead;
+        the head's steps cost far less)."""
         index = torch.tensor(rows, device=self.keys.device)
-        self.keys, self.values = self.keys[index], self.values[index]
-        self._fixed()
+        if self.compiled and len(rows) == self.keys.shape[0]:  # the graphs keep their addresses
+            self.keys.copy_(self.keys[index])
+            self.values.copy_(self.values[index])
+        else:
+            self.keys, self.values = self.keys[index], self.values[index]
+            if self.compiled:
+                self.compiled = False
+                give_back(self.head.spare, self.lease)
         self.lengths = [self.lengths[r] for r in rows]

@@ -374,29 +374,11 @@ class LeanLlama(nn.Module):
         self.native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
 
     def lend(self, batch: int, capacity: int, like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values for a compiled cache of `batch` rows and at least `capacity` slots: the
-        smallest spare set that fits (zeroed), else a new one, marked as a fixed-address graph input."""
-        fits = [i for i, (keys, _) in enumerate(self.spare) if keys[0].shape[0] == batch
-                and keys[0].shape[2] >= capacity and keys[0].dtype == like.dtype and keys[0].device == like.device]
-        if fits:
-            keys, values = self.spare.pop(min(fits, key=lambda i: self.spare[i][0][0].shape[2]))
-            for cache in keys + values:
-                cache.zero_()
-            return keys, values
-        shape = (batch, self.kv_heads, capacity, self.head_dim)
-        keys = [like.new_zeros(shape) for _ in self.layers]
-        values = [like.new_zeros(shape) for _ in self.layers]
-        if self.graphs:  # the graphs write into these in place; a new address re-records them, not recompiles
-            for cache in keys + values:
-                torch._dynamo.mark_static_address(cache, guard=False)
-        return keys, values
+        """Keys and values for a compiled cache of `batch` rows and at least `capacity` slots (`lend`)."""
+        return lend(self.spare, self.graphs, (batch, self.kv_heads, capacity, self.head_dim), len(self.layers), like)
 
     def give_back(self, lease: list) -> None:
-        """A compiled cache's set, back among the spares (the newest SPARE_SETS are kept)."""
-        if lease[0] is not None:
-            self.spare.append(lease[0])
-            lease[0] = None
-            del self.spare[:-SPARE_SETS]
+        give_back(self.spare, lease)
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
         """The layers' weights for native.layers at this row count (layer_plan's, layer after layer), or None
@@ -492,6 +474,35 @@ class LeanLlama(nn.Module):
         """One compiled forward, or None after giving up on compiling (the caller runs eager)."""
         ids, keys = args[0], args[4]
         return run_fixed(self, (tuple(ids.shape), tuple(keys[0].shape)), f"{ids.shape[1]} token(s)", args)
+
+
+def lend(spare: list, graphs: bool, shape: tuple[int, int, int, int], layers: int, like: torch.Tensor
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Keys and values, `layers` of each, of shape (rows, kv heads, slots, head dim) with at least that many
+    slots, for a compiled cache: the spare set with the fewest slots that fits (zeroed), else a new one, marked
+    as a fixed-address graph input where graphs."""
+    batch, kv_heads, capacity, head_dim = shape
+    fits = [i for i, (keys, _) in enumerate(spare) if keys[0].shape[0] == batch and keys[0].shape[2] >= capacity
+            and keys[0].dtype == like.dtype and keys[0].device == like.device]
+    if fits:
+        keys, values = spare.pop(min(fits, key=lambda i: spare[i][0][0].shape[2]))
+        for cache in keys + values:
+            cache.zero_()
+        return keys, values
+    keys = [like.new_zeros(shape) for _ in range(layers)]
+    values = [like.new_zeros(shape) for _ in range(layers)]
+    if graphs:  # the graphs write into these in place; a new address re-records them, not recompiles
+        for cache in keys + values:
+            torch._dynamo.mark_static_address(cache, guard=False)
+    return keys, values
+
+
+def give_back(spare: list, lease: list) -> None:
+    """A compiled cache's set (lease[0]), back among the spares (the newest SPARE_SETS are kept)."""
+    if lease[0] is not None:
+        spare.append(lease[0])
+        lease[0] = None
+        del spare[:-SPARE_SETS]
 
 
 def compile_fixed(owner, fn: Callable, device: torch.device) -> Callable | None:
