@@ -224,8 +224,8 @@ def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator:
         return torch.cat([draft, p.argmax(-1) if best is None else best]).to(wide_dtype(p.device))
     ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
     u = torch.rand(draft.shape[0], generator=generator, device=draft.device)
-    ahead = [] if children is None else walk_ends(p, q, draft, children, generator)
-    return torch.cat([t.to(wide_dtype(p.device)) for t in (ratios.flatten(), u, draft, *ahead)])
+    ahead, wide = [] if children is None else walk_ends(p, q, draft, children, generator), wide_dtype(p.device)
+    return torch.cat([t.to(wide) for t in (ratios.flatten(), u, draft, *ahead)])
 
 
 def accept_or_resample(
