@@ -323,7 +323,7 @@ class EagleHead(nn.Module):
         if shape not in self.compiled_shapes:  # packed before tracing: the graph takes the eager step's products
             for lin in self.lean_linears().values():
                 lin.path(g.shape[0] * width)
-        out = run_fixed(self, shape, f"{width} entries", args)
+        out = run_fixed(self, shape, f"{width} {'entry' if width == 1 else 'entries'}", args)
         if out is None:
             return None
         h, logits = (x[:, :t] for x in out)
