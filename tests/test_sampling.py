@@ -11,7 +11,7 @@ from specviz.core.sampling import (
     children_of,
     logits_to_probs,
     residual_distribution,
-    rule_reads,
+    rule_reads_ahead,
     sample,
 )
 
@@ -138,7 +138,7 @@ def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents, monk
     token drawn for every node the walk can end at (walk_ends), so the walk asks the device for nothing. From
     the same generator state it comes out draw for draw as the walk that asks: the same kept path, ratios,
     uniforms and last token, wherever it ends (after a rejection, after every child of a node, at a leaf), and
-    the residual the correction came from; without the inspector (keep_residual=False) it computes none."""
+    the residual the correction came from, which it takes from walk_ends' rows without computing one."""
     g = len(parents)
     p, _ = random_pq(5, SamplingParams(0.8), vocab=12)
     p = torch.cat([p[:1], p[1:]] * 4)[: g + 1].float()  # [g + 1, V]
@@ -159,20 +159,16 @@ def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents, monk
         asked = accept_or_resample(p, q, drafts, gen, parents=parents)
         after = gen.get_state()
         gen.set_state(state)
-        ahead = accept_or_resample(p, q, drafts, gen, parents=parents,
-                                   values=rule_reads(p, q, drafts, gen, children=children).tolist())
-        assert torch.equal(gen.get_state(), after)  # the same draws, no more
+        values, residuals = rule_reads_ahead(p, q, drafts, gen, children)
+        made.clear()
+        monkeypatch.setattr(sampling, "residual_distribution", counted)
+        ahead = accept_or_resample(p, q, drafts, gen, parents=parents, values=values.tolist(), residuals=residuals)
+        monkeypatch.undo()
+        assert torch.equal(gen.get_state(), after) and not made  # the same draws, no more; no residual computed
         assert (ahead.path, ahead.next_token, ahead.u, ahead.accept_probs, ahead.rejected) == \
             (asked.path, asked.next_token, asked.u, asked.accept_probs, asked.rejected)
         assert (ahead.residual is None) == (asked.residual is None)  # what the correction was drawn from
         assert ahead.residual is None or torch.equal(ahead.residual, asked.residual)
-        gen.set_state(state)
-        values = rule_reads(p, q, drafts, gen, children=children).tolist()
-        made.clear()
-        monkeypatch.setattr(sampling, "residual_distribution", counted)
-        bare = accept_or_resample(p, q, drafts, gen, parents=parents, keep_residual=False, values=values)
-        monkeypatch.undo()
-        assert not made and bare.residual is None and (bare.path, bare.next_token) == (asked.path, asked.next_token)
         ends_at.add(ahead.path[-1] if ahead.path else -1)
         shapes.add(len(ahead.rejected))
     assert ends_at == set(range(-1, g)) and max(shapes) >= children.shape[1]  # a node whose every child failed

@@ -51,7 +51,15 @@ from .events import (
     TopToken,
 )
 from .kvcache import CACHE_KINDS, KVState, Tree, on_device, read_together, stacked
-from .sampling import SamplingParams, accept_or_resample, children_of, logits_to_probs, rule_reads, wide_dtype
+from .sampling import (
+    SamplingParams,
+    accept_or_resample,
+    children_of,
+    logits_to_probs,
+    rule_reads,
+    rule_reads_ahead,
+    wide_dtype,
+)
 from .schedules import POLICIES, make_policy
 
 MAX_GAMMA = 32
@@ -555,12 +563,16 @@ def decode(
         shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
                  for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
         # one read for the whole round: every row's values for the rule, then the values the page shows
-        # sampled, where a read waits: each node's children, for the walk's reads and draws made ahead (walk_ends)
-        children = [children_of(*shape) for shape in shapes] if ahead else [None] * len(proposals)
-        wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy, bests[i], children[i])
-                  for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
-        if ahead:  # like greedy's argmax, the token at each node the walk can end at is known already
+        residuals = [None] * len(proposals)
+        if ahead:  # sampled, where a read waits: the walk's reads and draws made for every node (walk_ends)
+            reads = [rule_reads_ahead(ps[i], prop.q, prop.tokens, generators[r], children_of(*shapes[i]))
+                     for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
+            wanted, residuals = [v for v, _ in reads], [last_r for _, last_r in reads]
+            # like greedy's argmax, the token at each node the walk can end at is known already
             bests = [wanted[i][-(g + 1) :].long() for i, g in enumerate(drafted)]
+        else:
+            wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy, bests[i])
+                      for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
         wanted += [_shown_reads(prop, *show, bests[i])
                    for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
         wanted += [prop.tree_reads() for prop in proposals if prop.pending is not None]  # and its shape, last
@@ -568,7 +580,7 @@ def decode(
         shapes_read = iter(host[2 * len(active) :])
         proposals = [prop if prop.pending is None else prop.settled(next(shapes_read)) for prop in proposals]
         verdicts = [accept_or_resample(ps[i], prop.q, prop.tokens, generators[r], params.greedy, prop.parents,
-                                       host[i], keep_residual=settings.record_top > 0)
+                                       host[i], residuals[i])
                     for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
         _sync(device)
         t2 = time.perf_counter()

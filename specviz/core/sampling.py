@@ -185,15 +185,15 @@ def children_of(parents: torch.Tensor, branch: int) -> torch.Tensor:
 
 
 def walk_ends(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, children: torch.Tensor,
-              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+              generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a sampled walk would learn on the way, for every node at once, so that the round reads it with
     the rule's values and the walk waits for nothing: ([g] each node's min(1, r(d)/q(d)) against the r it is
     tried with, its parent's p row less its elder siblings' q as the module docstring says; [g + 1] the token
     the round adds if the walk ends at each node: every child rejected, a draw from the last r; none, the
-    bonus from p). The walk ends at one node, so one uniform serves every row: drawn after the rule's, it is
-    the one the walk's own `sample(r)` would draw. p: [g + 1, V], q: [g, V], draft: [g], children:
-    children_of(parents, b) [g + 1, b]. Costs b residuals of g + 1 rows: a handful of
-    elementwise passes over the vocabulary."""
+    bonus from p; [g + 1, V] that last r, p's row where no child was tried). The walk ends at one node, so
+    one uniform serves every row: drawn after the rule's, it is the one the walk's own `sample(r)` would draw.
+    p: [g + 1, V], q: [g, V], draft: [g], children: children_of(parents, b) [g + 1, b]. Costs b residuals of
+    g + 1 rows: a handful of elementwise passes over the vocabulary."""
     g = draft.shape[0]
     q_pad, d_pad = F.pad(q, (0, 0, 0, 1)), F.pad(draft, (0, 1))  # row g: no node
     tried, r = p.new_zeros(g + 1), p  # r [g + 1, V], row n + 1: node n's before its next child's try
@@ -202,7 +202,7 @@ def walk_ends(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, children: t
         q_kid, d_kid = q_pad[kid], d_pad[kid, None]
         tried = tried.scatter(0, kid, acceptance_probability(r.gather(1, d_kid), q_kid.gather(1, d_kid))[:, 0])
         r = torch.where((kid < g)[:, None], residual_distribution(r, q_kid), r)
-    return tried[:g], sample(r, generator, one_uniform=True)
+    return tried[:g], sample(r, generator, one_uniform=True), r
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -211,21 +211,29 @@ def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def rule_reads(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None,
-               greedy: bool = False, best: torch.Tensor | None = None,
-               children: torch.Tensor | None = None) -> torch.Tensor:
+               greedy: bool = False, best: torch.Tensor | None = None) -> torch.Tensor:
     """What the walk reads, as one vector on the device (wide_dtype: ids and p kept exact), so a caller can read
     it together with other values at once (on a GPU each read waits for the queue). Greedy: the drafted
     ids [g] and each p row's argmax [g + 1]. Sampled: min(1, p(d)/q(d)) of every draft at every row
     [g + 1, g] (a node's parent row is picked on the host, so no index list goes to the device), the
     uniform draws [g] and the drafted ids [g]; the draws come from `generator` here, before the walk's.
-    children (sampled; children_of the nodes' parents): walk_ends [g] and [g + 1] too, so that the walk
-    reads and draws nothing more. best: p.argmax(-1), if the caller has it already."""
+    best: p.argmax(-1), if the caller has it already."""
     if greedy:
         return torch.cat([draft, p.argmax(-1) if best is None else best]).to(wide_dtype(p.device))
     ratios = acceptance_probability(p[:, draft], q.gather(1, draft[:, None]).T)  # [g + 1, g]
     u = torch.rand(draft.shape[0], generator=generator, device=draft.device)
-    ahead, wide = [] if children is None else walk_ends(p, q, draft, children, generator), wide_dtype(p.device)
-    return torch.cat([t.to(wide) for t in (ratios.flatten(), u, draft, *ahead)])
+    wide = wide_dtype(p.device)
+    return torch.cat([t.to(wide) for t in (ratios.flatten(), u, draft)])
+
+
+def rule_reads_ahead(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, generator: torch.Generator | None,
+                     children: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled round's rule_reads with walk_ends' [g] and [g + 1] after them (its uniform drawn after the
+    rule's), so that the walk reads and draws nothing more; and, left on the device, each node's last r
+    [g + 1, V]: the residual a correction there is drawn from. children: children_of the nodes' parents."""
+    values = rule_reads(p, q, draft, generator)
+    tried, ends, last_r = walk_ends(p, q, draft, children, generator)
+    return torch.cat([values, tried.to(values.dtype), ends.to(values.dtype)]), last_r
 
 
 def accept_or_resample(
@@ -236,7 +244,7 @@ def accept_or_resample(
     greedy: bool = False,
     parents: list[int] | None = None,
     values: list[float] | None = None,
-    keep_residual: bool = True,
+    residuals: torch.Tensor | None = None,
 ) -> Verdict:
     """One round of the rule over g drafted nodes. p: target [g+1, V] (row 0 after the last kept
     token, row 1+i after node i), q: [g, V] (row i: what node i was drawn from), draft: ids [g],
@@ -249,10 +257,10 @@ def accept_or_resample(
     children the bonus is drawn from its p. Greedy (one-hot p and q) needs no draws: a child is
     kept exactly when it is the target's argmax, and the last token is that argmax.
 
-    values: rule_reads(p, q, draft, generator, greedy, children=...) read to the host by the caller; else
-    read here. With walk_ends in them, the walk takes its later children's ratios and its last token from
-    there instead of asking the device (the same numbers, the same draw), and computes no residual on the
-    way: only the one the correction was drawn from, for Verdict.residual, and that only if keep_residual.
+    values: rule_reads(p, q, draft, generator, greedy) read to the host by the caller; else read here. Or
+    rule_reads_ahead's, with residuals its last r of each node: the walk takes its later children's ratios and
+    its last token from there instead of asking the device (the same numbers, the same draw), and
+    Verdict.residual is a row of residuals: it computes nothing.
     """
     gamma = draft.shape[0]
     parents = chain_parents(gamma) if parents is None else parents
@@ -296,8 +304,8 @@ def accept_or_resample(
         next_token = best[node + 1]  # the argmax of the row the walk ended at
     elif ends:
         next_token = int(ends[node + 1])  # drawn already, from the same r and uniform
-        for child in (c for c in rejected if keep_residual and parents[c] == node):  # the walk's last r
-            residual = residual_distribution(p[node + 1] if residual is None else residual, q[child])
+        if any(parents[c] == node for c in rejected):  # a correction: from the walk's last r there
+            residual = residuals[node + 1]
     else:
         next_token = int(sample(r, generator))
     return Verdict(path, next_token, accept_probs, u_used, rejected, residual, tokens)
