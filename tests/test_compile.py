@@ -192,7 +192,8 @@ def test_compiled_caches_keep_their_addresses_and_batch_shape_across_runs(patter
     target.compiled.calls.clear()
     second = generate(pair, "", settings, prompt_ids=PROMPTS[0])
     assert second.token_ids == first.token_ids and {a for _, a in target.compiled.calls} == addresses
-    assert len(addresses) == 1 and all(c._dynamo_static_input_type == "unguarded" for c in target.spare[0][0])
+    stack, keys, values = target.spare[0]
+    assert len(addresses) == 1 and all(c._dynamo_static_input_type == "unguarded" for c in keys + values)
 
     eager = [generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=16), prompt_ids=p) for p in PROMPTS]
     target.compiled.calls.clear()
@@ -201,6 +202,50 @@ def test_compiled_caches_keep_their_addresses_and_batch_shape_across_runs(patter
     finished = sorted(len(r.events) for r in batch)
     assert finished[0] < finished[-1]  # rows left the batch before others
     assert {rows for rows, _ in target.compiled.calls} == {3}
+
+
+def test_a_compiled_caches_layers_are_one_tensor_so_a_kept_path_moves_in_one_operation(pattern_dirs, monkeypatch):
+    """A compiled cache's keys and values are views of one lent tensor, each marked as a static graph input: moving
+    a tree's kept path is one copy for every layer, not one per layer and kind (60 on the offline target, each a
+    launch on a GPU), and rows repeated by `select` are one copy too. The moved and copied slots hold the same keys
+    and values as before, in every layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specviz.core.kvcache import KVState
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    pair = replaying_pair(pattern_dirs, monkeypatch)
+    state = KVState(pair.target, 2, "static", pair.vocab_size, 32, compile=True)
+    state.prefill([PROMPTS[0], PROMPTS[2]], 0)
+    ids = torch.tensor([words(5, 6, 7, 8), words(9, 10, 11, 12)])
+    state.forward(ids, [[True] * 4] * 2)
+    cache = state.backend
+    stack = cache.stack
+    assert all(c.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr() and
+               c._dynamo_static_input_type == "unguarded" for c in cache.keys + cache.values)
+    before = stack.clone()
+    src, dst = torch.tensor([4, 6]), torch.tensor([3, 4])
+    with torch.inference_mode(), Ops() as ops:  # as the decoder runs it
+        cache.move(1, src, dst)
+    assert len(ops.names) <= 2, ops.names  # index_select, index_copy_
+    layers = len(cache.keys)
+    for k, (new, old) in enumerate(zip(cache.keys + cache.values, before.unbind(), strict=True)):
+        assert torch.equal(new[1, :, dst], old[1, :, src]) and torch.equal(new[0], old[0]), k
+    assert layers == len(LeanLlama.of(pair.target).layers)
+    moved = stack.clone()
+    with torch.inference_mode():
+        cache.select(torch.tensor([1, 1]))
+    assert all(torch.equal(c[0], c[1]) and torch.equal(c[0], old[1]) for c, old in
+               zip(cache.keys + cache.values, moved.unbind(), strict=True))
 
 
 def test_past_the_graph_budget_new_shapes_run_eager_and_say_so(pattern_dirs, pattern_pair, monkeypatch, caplog):
@@ -262,7 +307,7 @@ def test_the_eagle_heads_compiled_steps_draft_what_its_eager_steps_draft(pattern
         runs = [generate(pair, "", settings, prompt_ids=p) for p in PROMPTS[:2]]
         assert {s[0] for s in pair.head.compiled.shapes} == {1}
         assert len(pair.head.compiled.addresses) == 1  # the second run drafts in the first's caches, as graphs need
-        assert all(c._dynamo_static_input_type == "unguarded" for c in pair.head.spare[0][0])
+        assert all(c._dynamo_static_input_type == "unguarded" for c in pair.head.spare[0][1] + pair.head.spare[0][2])
         pair.head.compiled.shapes.clear()
         runs += generate_batch(pair, [""] * 2, settings, prompts_ids=PROMPTS[:2])
         # a row that finished first leaves: the other drafts eager after, no graph per row count

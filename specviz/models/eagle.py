@@ -147,7 +147,7 @@ class EagleHead(nn.Module):
         self.compile_note = ""  # why compiling was given up, if it was
         self.compiled_shapes: set[tuple] = set()
         self.graphs = False  # the compiled step replays as CUDA graphs (set by `compiler`)
-        self.spare: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # compiled caches no one holds
+        self.spare: list[tuple] = []  # compiled caches' sets no one holds (leanllama.lend)
 
     # -- binding and files ---------------------------------------------------------------------
 
@@ -368,7 +368,7 @@ class HeadCache:
         c = self.head.config
         shape = (batch, c.kv_heads, capacity + 1, c.head_dim)
         if self.compiled:
-            (self.keys,), (self.values,) = self.lease[0] = lend(self.head.spare, self.head.graphs, shape, 1, like)
+            _, (self.keys,), (self.values,) = self.lease[0] = lend(self.head.spare, self.head.graphs, shape, 1, like)
         else:
             self.keys, self.values = like.new_zeros(shape), like.new_zeros(shape)
         self.slot_index = _slot_index(self.scratch, like.device)

@@ -370,11 +370,12 @@ class LeanLlama(nn.Module):
         self.compile_note = ""  # why compiling was given up, if it was
         self.compiled_shapes: set[tuple] = set()
         self.graphs = self.head.weight.device.type == "cuda"  # compiled forwards replay as CUDA graphs
-        self.spare: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # compiled caches no one holds
+        self.spare: list[tuple] = []  # compiled caches' sets no one holds (`lend`)
         self.native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
 
-    def lend(self, batch: int, capacity: int, like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values for a compiled cache of `batch` rows and at least `capacity` slots (`lend`)."""
+    def lend(self, batch: int, capacity: int, like: torch.Tensor
+             ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """A set for a compiled cache of `batch` rows and at least `capacity` slots (`lend`)."""
         return lend(self.spare, self.graphs, (batch, self.kv_heads, capacity, self.head_dim), len(self.layers), like)
 
     def give_back(self, lease: list) -> None:
@@ -477,24 +478,24 @@ class LeanLlama(nn.Module):
 
 
 def lend(spare: list, graphs: bool, shape: tuple[int, int, int, int], layers: int, like: torch.Tensor
-         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Keys and values, `layers` of each, of shape (rows, kv heads, slots, head dim) with at least that many
-    slots, for a compiled cache: the spare set with the fewest slots that fits (zeroed), else a new one, marked
-    as a fixed-address graph input where graphs."""
+         ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """A compiled cache's set: one tensor [2 layers, rows, kv heads, slots, head dim] with at least `shape`'s slots,
+    and its layers' keys and values as views of it (so that moving or copying rows is one operation for every
+    layer, not one per layer; the graphs take the views, which do not overlap). The spare set with the fewest
+    slots that fits (zeroed), else a new one, its views marked as fixed-address graph inputs where graphs."""
     batch, kv_heads, capacity, head_dim = shape
-    fits = [i for i, (keys, _) in enumerate(spare) if keys[0].shape[0] == batch and keys[0].shape[2] >= capacity
-            and keys[0].dtype == like.dtype and keys[0].device == like.device]
+    fits = [i for i, (stack, _, _) in enumerate(spare) if stack.shape[1] == batch and stack.shape[3] >= capacity
+            and stack.dtype == like.dtype and stack.device == like.device]
     if fits:
-        keys, values = spare.pop(min(fits, key=lambda i: spare[i][0][0].shape[2]))
-        for cache in keys + values:
-            cache.zero_()
-        return keys, values
-    keys = [like.new_zeros(shape) for _ in range(layers)]
-    values = [like.new_zeros(shape) for _ in range(layers)]
+        lease = spare.pop(min(fits, key=lambda i: spare[i][0].shape[3]))
+        lease[0].zero_()
+        return lease
+    stack = like.new_zeros((2 * layers, *shape))
+    keys, values = list(stack[:layers].unbind()), list(stack[layers:].unbind())
     if graphs:  # the graphs write into these in place; a new address re-records them, not recompiles
         for cache in keys + values:
             torch._dynamo.mark_static_address(cache, guard=False)
-    return keys, values
+    return stack, keys, values
 
 
 def give_back(spare: list, lease: list) -> None:
@@ -556,7 +557,8 @@ def run_fixed(owner, shape: tuple, what: str, args: tuple):
 
 
 class LeanCache:
-    """Keys and values [B, kv_heads, capacity, head_dim] per layer, allocated on first use.
+    """Keys and values [B, kv_heads, capacity, head_dim] per layer, allocated on first use as views of one
+    tensor (`stack`), so that `move` and `select` are one operation, not one per layer.
 
     Compiled, the caches are the graphs' inputs at fixed addresses (CUDA graphs replay at the
     addresses they were recorded with, gpt-fast's caches set up once): a compiled cache borrows a
@@ -569,7 +571,7 @@ class LeanCache:
         self.capacity = compiled_capacity(capacity) if compile else capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.stack: torch.Tensor | None = None  # eager: every layer's keys then values, [2 layers, B, ...]
+        self.stack: torch.Tensor | None = None  # every layer's keys then values, [2 layers, B, ...]
         self.places: list[int] | None = None  # compiled, once rows left: each live row's row in the caches
         self.place_index: torch.Tensor | None = None  # the same, on the device
         self.lease: list = [None]  # compiled: the set held, handed back when this cache is dropped
@@ -580,10 +582,10 @@ class LeanCache:
         """Caches for `batch` rows of self.capacity slots (compiled: the model's spare set, if one fits)."""
         if self.compile:
             old = self.lease[:]
-            self.lease[0] = self.keys, self.values = self.lean.lend(batch, self.capacity, like)
+            self.lease[0] = self.stack, self.keys, self.values = self.lean.lend(batch, self.capacity, like)
             self.lean.give_back(old)
             self.capacity = self.keys[0].shape[2]
-        else:  # views of one tensor, so that `move` and `select` are one operation, not one per cache
+        else:
             shape = (batch, self.lean.kv_heads, self.capacity, self.lean.head_dim)
             self._stacked(like.new_zeros((2 * len(self.lean.layers), *shape)))
 
@@ -595,13 +597,13 @@ class LeanCache:
         """Allocate on first use; batches with holes may outgrow a single run's capacity: double it."""
         if self.keys and need <= self.capacity:
             return
-        if self.keys:
+        old = self.stack
+        if old is not None:
             self.capacity = compiled_capacity(need) if self.compile else max(2 * self.capacity, need)
-            batch = self.keys[0].shape[0]
-        old_keys, old_values = self.keys, self.values
+            batch = old.shape[1]
         self._hold(batch, like)
-        for new, old in zip(self.keys + self.values, old_keys + old_values, strict=False):
-            new[:, :, : old.shape[2]] = old
+        if old is not None:
+            self.stack[:, :, :, : old.shape[3]] = old
 
     def _width(self, t: int) -> int:
         """Slots a forward of t tokens runs: a compiled forward pads t to the next compiled width."""
@@ -659,12 +661,8 @@ class LeanCache:
     def move(self, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy a row's keys and values from slots src to slots dst (a tree's kept path to consecutive slots)."""
         row = row if self.places is None else self.places[row]
-        if self.stack is not None:
-            caches = self.stack[:, row]  # [2 layers, KV, capacity, D]
-            caches.index_copy_(2, dst, caches.index_select(2, src))
-            return
-        for cache in self.keys + self.values:
-            cache[row, :, dst] = cache[row, :, src]
+        caches = self.stack[:, row]  # [2 layers, KV, capacity, D]
+        caches.index_copy_(2, dst, caches.index_select(2, src))
 
     def select(self, index: torch.Tensor) -> None:
         """Keep these rows (in this order; a row may repeat). Compiled, rows that only leave stay put."""
@@ -679,8 +677,7 @@ class LeanCache:
             self.places = None if rows == list(range(self.keys[0].shape[0])) else rows
             self.place_index = None if self.places is None else torch.tensor(rows, device=index.device)
             return
-        old_keys, old_values = self.keys, self.values  # rows repeat: a set for as many rows
+        old = self.stack  # rows repeat: a set for as many rows
         self._hold(len(rows), self.lean.embed.weight)
-        for new, old in zip(self.keys + self.values, old_keys + old_values, strict=True):
-            new.copy_(old[rows])
+        self.stack.copy_(old[:, rows])
         self.places = self.place_index = None
