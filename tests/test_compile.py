@@ -246,6 +246,11 @@ def test_a_compiled_caches_layers_are_one_tensor_so_a_kept_path_moves_in_one_ope
         cache.select(torch.tensor([1, 1]))
     assert all(torch.equal(c[0], c[1]) and torch.equal(c[0], old[1]) for c, old in
                zip(cache.keys + cache.values, moved.unbind(), strict=True))
+    kept = cache.stack.clone()  # a batch with holes outgrows its capacity: a set twice as long, the slots kept
+    with torch.inference_mode():
+        cache._reserve(2, cache.capacity + 1, cache.stack)
+    assert cache.capacity == 2 * kept.shape[3] and torch.equal(cache.stack[:, :, :, : kept.shape[3]], kept)
+    assert all(c.untyped_storage().data_ptr() == cache.stack.untyped_storage().data_ptr() for c in cache.keys)
 
 
 def test_past_the_graph_budget_new_shapes_run_eager_and_say_so(pattern_dirs, pattern_pair, monkeypatch, caplog):
