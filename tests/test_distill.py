@@ -12,7 +12,7 @@ from specviz.core.generator import Settings, generate
 from specviz.models import kernels
 from specviz.models.loading import SHIPPED_HEAD, load_pair
 from specviz.tools import cli
-from specviz.tools.distill import DistillConfig, load_prompts, training_dtype
+from specviz.tools.distill import HELP, DistillConfig, load_prompts, training_dtype
 from specviz.tools.prompts import BENCHMARK_PROMPTS, RINGS, TEMPLATES, TOPICS, training_prompts
 
 
@@ -56,6 +56,22 @@ def test_a_json_prompts_file_keeps_prompts_with_line_breaks(tmp_path, capsys):
     assert cli.main(argv) == 2
     assert "expected a JSON list of prompt strings" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_every_distill_setting_is_an_option_that_says_what_it_does(capsys):
+    """`distill --help` lists each of DistillConfig's settings with its meaning (HELP) and, for numbers, its
+    default; the target, the output folder and the chat template have options of their own."""
+    with pytest.raises(SystemExit):
+        cli.main(["distill", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, even at hyphens
+    for field in dataclasses.fields(DistillConfig):
+        if field.name in ("target", "out", "chat_template"):
+            continue
+        option = f"--{field.name.replace('_', '-')}"
+        assert option in text and "".join(HELP[field.name].split()) in text, option
+        if isinstance(field.default, int | float) and not isinstance(field.default, bool):
+            assert f"(default:{field.default})" in text, option
+    assert "--no-chat-template" in text and "chattemplate" in text.split("--no-chat-template")[-1]
 
 
 @pytest.mark.slow

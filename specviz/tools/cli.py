@@ -379,7 +379,7 @@ def _bit_for_bit(pair) -> str:
 
 
 def _add_distill(sub: argparse._SubParsersAction) -> None:
-    from .distill import DistillConfig
+    from .distill import HELP, DistillConfig
 
     d = sub.add_parser("distill", help="distil a draft model or an EAGLE head from a target (specviz/tools/distill.py)")
     d.add_argument("--kind", choices=["draft", "eagle"], default="draft",
@@ -389,19 +389,19 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     defaults = DistillConfig("", "")
     for name in ["prompts", "first_prompt", "new_tokens", "gen_batch", "top_k", "layers", "hidden", "heads", "kv_heads",
                  "intermediate", "max_steps", "batch", "seed", "draft_vocab", "ttt_steps", "head_intermediate"]:
-        d.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+        d.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
+                       help=f"{HELP[name]} (default: %(default)s)")
     for name in ["gen_temperature", "train_minutes", "lr", "holdout"]:
-        d.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+        d.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name),
+                       help=f"{HELP[name]} (default: %(default)s)")
     d.add_argument("--temperatures", default=",".join(f"{t:g}" for t in defaults.temperatures),
-                   help="eagle: answer each prompt once at each of these temperatures (0: greedy)")
-    d.add_argument("--data-file", help="eagle: reuse the generated data from this file, and save it there as it "
-                   "is made (a stopped run keeps what it answered)")
-    d.add_argument("--prompts-file", help="one training prompt per line, or a .json list of prompt strings "
-                   "(default: the built-in set)")
-    d.add_argument("--init", metavar="DIR", help="eagle: go on training this head on the new data (its draft "
-                   "vocabulary kept), e.g. with --first-prompt past the prompts it was trained on")
-    d.add_argument("--no-chat-template", action="store_true")
-    d.add_argument("--device", default="auto")
+                   help=f"{HELP['temperatures']} (default: %(default)s)")
+    for name in ["data_file", "prompts_file"]:
+        d.add_argument(f"--{name.replace('_', '-')}", help=HELP[name])
+    d.add_argument("--init", metavar="DIR", help=HELP["init"])
+    d.add_argument("--no-chat-template", action="store_true", help="feed prompts as plain text, not in the target's "
+                   "chat template")
+    d.add_argument("--device", default="auto", help=HELP["device"])
 
 
 def cmd_distill(args: argparse.Namespace) -> int:

@@ -38,34 +38,67 @@ Progress = Callable[[str], None]
 
 @dataclass
 class DistillConfig:
+    """What to distil and how (HELP says what each field means; the command line's options are these)."""
+
     target: str
     out: str
-    prompts: int = 512  # training prompts (a share is held out for the report)
-    first_prompt: int = 0  # skip this many of the prompts first (those an earlier head or draft was trained on)
-    prompts_file: str | None = None  # one prompt per line (or a .json list of strings), instead of the built-in set
+    prompts: int = 512
+    first_prompt: int = 0
+    prompts_file: str | None = None
     chat_template: bool = True
-    new_tokens: int = 96  # continuation length per prompt
+    new_tokens: int = 96
     gen_batch: int = 32
     gen_temperature: float = 0.8
-    top_k: int = 32  # target probabilities kept per position
+    top_k: int = 32
     layers: int = 4
     hidden: int = 192
     heads: int = 3
     kv_heads: int = 1
     intermediate: int = 512
     train_minutes: float = 10.0
-    max_steps: int = 0  # 0: as many as the minutes allow
-    batch: int = 16  # sequences per training step
+    max_steps: int = 0
+    batch: int = 16
     lr: float = 3e-3
     holdout: float = 0.1
     seed: int = 0
     device: str = "auto"
-    temperatures: tuple[float, ...] = (0.0, 1.0)  # eagle: each prompt answered once per temperature (0: greedy)
-    draft_vocab: int = 8192  # eagle: the head drafts the target's most frequent tokens only
-    ttt_steps: int = 3  # eagle: draft positions unrolled in training (training-time test)
-    head_intermediate: int = 1536  # eagle: the head's MLP width
-    data_file: str | None = None  # eagle: load the generated data from here, or save it here
-    init: str | None = None  # eagle: go on training this head (its shape and draft vocabulary kept), not a new one
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    draft_vocab: int = 8192
+    ttt_steps: int = 3
+    head_intermediate: int = 1536
+    data_file: str | None = None
+    init: str | None = None
+
+
+HELP = {
+    "prompts": "training prompts (a share is held out for the report)",
+    "first_prompt": "skip this many of the prompts first (those an earlier head or draft was trained on)",
+    "prompts_file": "one training prompt per line, or a .json list of prompt strings (default: the built-in set)",
+    "new_tokens": "tokens the target writes per prompt",
+    "gen_batch": "prompts the target answers at once while making the data",
+    "gen_temperature": "draft: the temperature the target's answers are sampled at",
+    "top_k": "the target's likeliest tokens kept per position (their probabilities, renormalised, are the labels)",
+    "layers": "draft: layers of the draft model",
+    "hidden": "draft: the draft model's width",
+    "heads": "draft: attention heads",
+    "kv_heads": "draft: key-value heads",
+    "intermediate": "draft: the MLP's width",
+    "train_minutes": "training stops after this long",
+    "max_steps": "training stops after this many steps (0: as many as the minutes allow)",
+    "batch": "sequences per training step",
+    "lr": "peak learning rate",
+    "holdout": "share of the prompts held out for the report",
+    "seed": "seed for prompt order, initial weights and sampling",
+    "device": "auto, cpu, cuda or mps",
+    "temperatures": "eagle: answer each prompt once at each of these temperatures (0: greedy)",
+    "draft_vocab": "eagle: how many of the target's most frequent tokens the head can draft",
+    "ttt_steps": "eagle: draft positions unrolled in training (training-time test)",
+    "head_intermediate": "eagle: the head's MLP width",
+    "data_file": "eagle: reuse the generated data from this file, and save it there as it is made (a stopped run "
+                 "keeps what it answered)",
+    "init": "eagle: go on training this head on the new data (its shape and draft vocabulary kept), e.g. with "
+            "--first-prompt past the prompts it was trained on",
+}
 
 
 @dataclass
