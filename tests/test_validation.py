@@ -97,3 +97,14 @@ def test_cli_rejects_bad_input_before_loading(monkeypatch, capsys, argv, message
     monkeypatch.setattr(cli, "load_pair", no_loading)
     assert cli.main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """`--help` of each command: no option without a line saying what it does."""
+    import argparse
+
+    commands = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"generate", "bench", "check", "distill", "kernels", "bench-render", "bench-page"} <= set(commands)
+    bare = [f"{name} {action.option_strings[-1]}" for name, parser in commands.items() for action in parser._actions
+            if action.option_strings and not (action.help or "").strip()]
+    assert bare == []

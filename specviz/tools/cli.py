@@ -32,6 +32,8 @@ from ..models.loading import PRESETS, Preset, encode_prompt, load_pair
 from ..view.rendering import batch_summary, first_difference, legend, round_text, run_text, slower_note, summary
 from .stream import Finished, RoundDone, stream
 
+PAIR_HELP = "a model pair (default: %(default)s)"
+
 
 def _add_pair(p: argparse.ArgumentParser) -> None:
     """The model pair and its device, as generate and check take them."""
@@ -77,7 +79,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed, the same text (default: 0)")
     g.add_argument("--draft-greedy", action="store_true",
                    help="with temperature > 0: the drafter proposes its argmax and the rule takes q as one-hot "
                         "(still exact; usually accepts more)")
@@ -99,7 +101,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="auto (on a CPU: bfloat16 or float32, whichever measures faster here), float32, bfloat16, "
                         "float16")
     g.add_argument("--retune", action="store_true", help="measure this CPU's kernels again (kept in the cache)")
-    g.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    g.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="color tokens by fate (auto: when printing to a terminal)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -250,18 +253,19 @@ def _sample_check(pair, prompt: str, settings: Settings, n: int, chat_template: 
 
 def _add_bench_render(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench-render", help="measure what per-round page rendering costs against the bare generator")
-    b.add_argument("--preset", choices=list(PRESETS), default="offline")
-    b.add_argument("--prompt", default="The future of AI")
-    b.add_argument("--gamma", type=int, default=4)
-    b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--preset", choices=list(PRESETS), default="offline", help=PAIR_HELP)
+    b.add_argument("--prompt", default="The future of AI", help="the prompt (default: %(default)s)")
+    b.add_argument("--gamma", type=int, default=4, help="drafts per round (default: %(default)s)")
+    b.add_argument("--max-new-tokens", type=int, default=64, help="tokens per run (default: %(default)s)")
+    b.add_argument("--repeats", type=int, default=3, help="runs of each; the medians are reported (default: "
+                   "%(default)s)")
 
 
 def _add_bench_page(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench-page", help="serve the app, press Run in Chromium on this machine, and report the "
                                           "speedup the page reads and the CPU time the server and the browser spent")
     b.add_argument("--prompt", default=None, help="the prompt typed in (default: the page's own)")
-    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--runs", type=int, default=3, help="presses of Run; the medians are reported (default: 3)")
     b.add_argument("--max-new-tokens", type=int, default=None, help="typed in (default: the page's own)")
     b.add_argument("--threads", type=int, default=None, help="SPECVIZ_THREADS for the app (default: the app's)")
     b.add_argument("--update-s", type=float, default=None,
@@ -299,7 +303,7 @@ def cmd_bench_render(args: argparse.Namespace) -> int:
 def _add_kernels(sub: argparse._SubParsersAction) -> None:
     k = sub.add_parser("kernels", help="this machine: its CPU, the kernel chosen per matrix shape, and what a "
                                        "verify pass of k tokens costs in one-token steps")
-    k.add_argument("--preset", choices=list(PRESETS), default="offline")
+    k.add_argument("--preset", choices=list(PRESETS), default="offline", help=PAIR_HELP)
     k.add_argument("--dtype", default="auto", help="auto, float32, bfloat16")
     k.add_argument("--retune", action="store_true", help="measure the kernels again, ignoring the stored table")
     k.add_argument("--repeats", type=int, default=10, help="timed forwards per width for c(k)")
@@ -439,7 +443,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="speedup of specviz against the baseline, HF assisted generation and theory")
-    b.add_argument("--preset", choices=list(PRESETS), default="offline")
+    b.add_argument("--preset", choices=list(PRESETS), default="offline", help=PAIR_HELP)
     b.add_argument("--gammas", default="1,2,4", help="comma-separated γ values for the draft model")
     b.add_argument("--lookup-gammas", default="2,4,8", help="comma-separated γ values for prompt lookup")
     b.add_argument("--eagle-gammas", default="2,3,4,6",
@@ -453,7 +457,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--policies", default="grow-shrink,expected",
                    help="adaptive γ policies to run with their defaults ('' for none)")
     b.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
-    b.add_argument("--max-new-tokens", type=int, default=48)
+    b.add_argument("--max-new-tokens", type=int, default=48, help="tokens per run (default: %(default)s)")
     b.add_argument("--repeats", type=int, default=2, help="runs per setting; medians are reported")
     b.add_argument("--seeds", type=int, default=1,
                    help="temperature > 0: run each prompt with seeds 0..N-1, a row each (one seed's text is one "
@@ -471,8 +475,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="compiled forwards for specviz's runs and the step timings (as generate --compile)")
     b.add_argument("--step-caches", default="static,dynamic",
                    help="cache kinds whose forward-pass cost is timed ('' to skip)")
-    b.add_argument("--out", default="bench-results")
-    b.add_argument("--device", default="auto")
+    b.add_argument("--out", default="bench-results", help="folder for results.json, results.md and the speedup "
+                   "chart (default: %(default)s)")
+    b.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
     b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     b.add_argument("--retune", action="store_true", help="measure this CPU's kernels again (kept in the cache)")
 
@@ -619,18 +624,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if counts["failed"] else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m specviz", description="Watch speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    _add_bench_render(sub)
-    _add_bench_page(sub)
-    _add_distill(sub)
-    _add_bench(sub)
-    _add_kernels(sub)
-    _add_check(sub)
+    for add in (_add_generate, _add_bench_render, _add_bench_page, _add_distill, _add_bench, _add_kernels, _add_check):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on stderr
     args.argv = argv
     commands = {"generate": cmd_generate, "bench-render": cmd_bench_render, "bench-page": cmd_bench_page,
