@@ -79,7 +79,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed, the same text (default: 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed: on one machine, the same seed gives the same text (default: 0)")
     g.add_argument("--draft-greedy", action="store_true",
                    help="with temperature > 0: the drafter proposes its argmax and the rule takes q as one-hot "
                         "(still exact; usually accepts more)")
@@ -102,7 +103,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "float16")
     g.add_argument("--retune", action="store_true", help="measure this CPU's kernels again (kept in the cache)")
     g.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                   help="color tokens by fate (auto: when printing to a terminal)")
+                   help="color each token by what became of it: accepted, rejected, correction, bonus (auto: when "
+                        "printing to a terminal)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -265,7 +267,7 @@ def _add_bench_page(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench-page", help="serve the app, press Run in Chromium on this machine, and report the "
                                           "speedup the page reads and the CPU time the server and the browser spent")
     b.add_argument("--prompt", default=None, help="the prompt typed in (default: the page's own)")
-    b.add_argument("--runs", type=int, default=3, help="presses of Run; the medians are reported (default: 3)")
+    b.add_argument("--runs", type=int, default=3, help="presses of Run, a row each (default: 3)")
     b.add_argument("--max-new-tokens", type=int, default=None, help="typed in (default: the page's own)")
     b.add_argument("--threads", type=int, default=None, help="SPECVIZ_THREADS for the app (default: the app's)")
     b.add_argument("--update-s", type=float, default=None,
