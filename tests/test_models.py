@@ -1,9 +1,12 @@
 """Loading: presets, shared vocabulary, device and dtype."""
 
+from dataclasses import replace
+
 import pytest
 import torch
-from conftest import VOCAB
+from conftest import VOCAB, words
 
+from specviz.core.generator import Settings, generate
 from specviz.models.loading import OFFLINE_DRAFT, OFFLINE_TARGET, PRESETS, SHIPPED_DRAFT, resolve_device, resolve_dtype
 
 
@@ -56,3 +59,23 @@ def test_device_and_dtype_resolution(monkeypatch):
     # emulated bf16 (T4, V100) is not native: float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert resolve_dtype("auto", torch.device("cuda"))[0] == torch.float16
+
+
+def test_float16_the_dtype_auto_takes_without_native_bfloat16_decodes_like_plain_decoding(eagle_pair):
+    """float16 is what `auto` picks on GPUs without native bfloat16 (T4, V100) and on mps, and no CPU picks
+    it: here it runs on the CPU through the same torch operations as there, in specviz's static-cache forward
+    (`check --dtype float16` runs the other cache kinds, transformers' forward, on the offline pair). Greedy,
+    every drafter's text equals plain decoding's in float16 (the pattern target's margins are wide), drafts
+    are kept, and a sampled run's p and q are probabilities (a float16 overflow would make them NaN)."""
+    pair, prompt = eagle_pair("llama", torch.float16), words(3, 4, 5, 6)
+    assert pair.dtype == torch.float16 == next(pair.target.parameters()).dtype == pair.head.fc.weight.dtype
+    base = Settings(max_new_tokens=16)
+    plain = generate(pair, "", base, prompt_ids=prompt, mode="baseline")
+    for settings in (replace(base, gamma=3), replace(base, drafter="lookup+eagle", gamma=2),
+                     replace(base, drafter="eagle", gamma=3, branch=2, nodes=4)):
+        run = generate(pair, "", settings, prompt_ids=prompt)
+        assert run.token_ids == plain.token_ids, settings
+        assert sum(e.n_accepted for e in run.events) > 0, settings
+        sampled = generate(pair, "", replace(settings, temperature=1.0, seed=1), prompt_ids=prompt)
+        shown = [(d.p, d.q) for e in sampled.events for d in e.drafted]
+        assert shown and all(0 <= p <= 1 and 0 <= q <= 1 for p, q in shown), settings

@@ -14,7 +14,7 @@ tree. Every case is judged by oracles that can fail:
     the target's to float64 rounding (lossless.exact_check), and every recorded p, q, min(1, p/q)
     lies in [0, 1].
 Another row count may take another kernel, whose sums round apart: in the last bits in float32,
-by up to a bfloat16 step of the logits (several percent of a probability) in bfloat16. That moves
+by up to a step of the logits (several percent of a probability) in bfloat16 or float16. That moves
 sampled draws that lie near a boundary and, in reduced precision, near ties, so texts that part
 with their numbers within rounding are reported as `differs`, not failed; in float32 greedy text
 must equal plain decoding's, and in reduced precision the gaps are shown, not judged, except where

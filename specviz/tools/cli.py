@@ -616,7 +616,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(", ".join(f"{n} {s}" for s, n in counts.items() if n))
     if counts["differs"]:
         print("differs: texts parted where another row count takes another kernel, whose sums round apart (the "
-              "last bits in float32, up to a bfloat16 step of a logit in bfloat16); that moves sampled draws near a "
+              "last bits in float32, up to a step of a logit in bfloat16 or float16); that moves sampled draws near a "
               "boundary and near ties. In float32 the p and q must stay within rounding and greedy text must equal "
               "plain decoding's; in reduced precision the gaps are shown, not judged, unless every row is computed "
               "alone (then any difference fails)")
