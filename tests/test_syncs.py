@@ -20,6 +20,7 @@ def test_each_kind_of_wait_is_counted_and_device_side_work_is_not():
         y = (x * 2 + 1).softmax(-1)[torch.tensor([0, 2])]  # maths and integer indexing: queued, no wait
         torch.zeros(3, device=x.device)
         torch.as_tensor(x)  # a tensor from a tensor: no host data
+        torch.tensor([], device=x.device)  # nothing to copy
         y.argmax(-1)
         assert syncs.total == 0
         x.tolist()

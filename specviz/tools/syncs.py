@@ -43,7 +43,9 @@ def sync_kind(func, args: tuple, kwargs: dict) -> str | None:
         return "nonzero"
     if func in (T.__getitem__, T.__setitem__) and _has_bool_index(args[1]):
         return "boolean index"
-    if func in FROM_HOST and kwargs.get("device") is not None and not isinstance(args[0], torch.Tensor):
+    data = args[0] if args else kwargs.get("data")
+    if func in FROM_HOST and kwargs.get("device") is not None and not isinstance(data, torch.Tensor) \
+            and not (isinstance(data, list | tuple) and not data):  # no data, no copy (transformers' cache starts so)
         return FROM_HOST[func]
     if func in (torch.repeat_interleave, T.repeat_interleave) and "output_size" not in kwargs \
             and len(args) > 1 and isinstance(args[1], torch.Tensor):
