@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import with_our_build, words
+from torch._dynamo.utils import counters
 
 from specviz.core.generator import Settings, generate, generate_batch
 from specviz.models.leanllama import LeanLlama
@@ -27,9 +28,12 @@ def test_compiled_greedy_equals_eager_and_batch_rows_equal_single_runs(pattern_d
     """Compiled single runs equal eager ones, and a compiled batch's rows (left-padded) equal them. Few
     graphs to compile (on a cold inductor cache each costs seconds): prefills and verifies of γ = 3 are
     all padded to 4 tokens, other forwards are of 1; a batch adds its row count's graphs (and fewer
-    rows' as rows finish: one row's are compiled already)."""
+    rows' as rows finish: one row's are compiled already). Dynamo compiles a graph per shape counted, no more:
+    inputs that are views (a column of a stacked tensor) go in with a new tensor's strides, or each stride
+    would be a graph of its own that no budget counts (on a GPU, a compile and a CUDA-graph recording each)."""
     pair = fresh_pair(pattern_dirs)
     settings = Settings(gamma=3, max_new_tokens=16, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
     alone = [generate(pair, "", settings, prompt_ids=p) for p in PROMPTS]
     eager = [generate(pattern_pair("llama"), "", Settings(gamma=3, max_new_tokens=16), prompt_ids=p) for p in PROMPTS]
     assert [r.token_ids for r in alone] == [r.token_ids for r in eager]
@@ -38,6 +42,8 @@ def test_compiled_greedy_equals_eager_and_batch_rows_equal_single_runs(pattern_d
     lean = LeanLlama.of(pair.target)
     assert lean.compile_note == "" and {ids[1] for ids, _ in lean.compiled_shapes} <= {1, 4}  # it ran compiled
     assert batch[0].meta.compiled and alone[0].meta.compiled and batch[0].meta.cache == "static"
+    shapes = sum(len(LeanLlama.of(m).compiled_shapes) for m in (pair.target, pair.draft))
+    assert counters["stats"]["unique_graphs"] - graphs == shapes
 
 
 def test_a_failing_compiler_falls_back_to_eager_and_says_why(pattern_dirs, pattern_pair, monkeypatch, caplog):
@@ -301,6 +307,7 @@ def test_the_eagle_heads_compiled_steps_draft_what_its_eager_steps_draft(pattern
     monkeypatch.setattr(native, "runs_here", lambda: False)
     monkeypatch.setattr(torch, "compile",
                         lambda fn, **kw: Replaying(fn) if isinstance(fn, LeanLlama) else ReplayingHead(fn))
+    graphs = counters["stats"]["unique_graphs"]
     pair, eager_pair = (dataclasses.replace(random_head_pair(fresh_pair(pattern_dirs), draft_words=range(12)),
                                             eos_token_ids=set()) for _ in range(2))
     pair.head.compiler()
@@ -324,4 +331,7 @@ def test_the_eagle_heads_compiled_steps_draft_what_its_eager_steps_draft(pattern
         q = [d[2] for r in runs for d in drafted(r)]
         assert q == pytest.approx([d[2] for r in eager for d in drafted(r)], abs=1e-4)
     assert {width for (_, width), _ in pair.head.compiled_shapes} == {1, 4}  # a chain's steps; a tree's 3, padded
+    # a graph per shape: entries that fill their width go in as they are, but with a new tensor's strides (a view
+    # of a stacked tensor has others, and dynamo would compile the graph again for them)
+    assert counters["stats"]["unique_graphs"] - graphs == len(pair.head.compiled_shapes)
     assert pair.head.compile_note == "" and eager_pair.head.compiled is None

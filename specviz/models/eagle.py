@@ -47,6 +47,7 @@ from .leanllama import (
     attend,
     compile_fixed,
     compiled_capacity,
+    fresh,
     give_back,
     in_c,
     layer_plan,
@@ -315,10 +316,14 @@ class EagleHead(nn.Module):
         """`_layer` compiled at fixed shapes: t entries padded with holes to `width` (token 0 at position 0,
         written to the scratch slot, seeing slot 0 only), dropped after. None if compiling was given up."""
         t, pad = tokens.shape[1], width - tokens.shape[1]
-        positions = F.pad(positions, (0, pad))
-        holes = F.pad(mask.new_ones(mask.shape[0], pad, 1), (0, mask.shape[2] - 1))  # [B, pad, C + 1]: slot 0
-        args = (cache.keys, cache.values, F.pad(tokens, (0, pad)), F.pad(g, (0, 0, 0, pad)), cos[positions],
-                sin[positions], F.pad(slots, (0, pad), value=cache.scratch), torch.cat([mask, holes], 1))
+        if pad:
+            positions, tokens, slots = F.pad(positions, (0, pad)), F.pad(tokens, (0, pad)), F.pad(
+                slots, (0, pad), value=cache.scratch)
+            g = F.pad(g, (0, 0, 0, pad))
+            holes = F.pad(mask.new_ones(mask.shape[0], pad, 1), (0, mask.shape[2] - 1))  # [B, pad, C + 1]: slot 0
+            mask = torch.cat([mask, holes], 1)
+        args = (cache.keys, cache.values, *map(fresh, (tokens, g)), cos[positions], sin[positions],
+                *map(fresh, (slots, mask)))
         shape = ((g.shape[0], width), tuple(cache.keys.shape))
         if shape not in self.compiled_shapes:  # packed before tracing: the graph takes the eager step's products
             for lin in self.lean_linears().values():

@@ -61,6 +61,17 @@ def compiled_capacity(slots: int) -> int:
     return CAPACITY_STEP << (steps - 1).bit_length()
 
 
+def fresh(x: torch.Tensor) -> torch.Tensor:
+    """x with the strides a new tensor of its shape has (itself if it has them): a compiled graph is specialised
+    to its inputs' strides, so a view (a column of a stacked tensor, say) would compile it again, even where
+    it differs only in the stride of a dimension of size 1."""
+    strides, step = [], 1
+    for n in reversed(x.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return x if x.stride() == tuple(reversed(strides)) else x.clone(memory_format=torch.contiguous_format)
+
+
 def slot_mask(real: torch.Tensor, start: int, kv_len: int, visible: torch.Tensor | None = None,
               first: int | None = None) -> torch.Tensor:
     """[B, 1, t, kv_len] bool, True = may attend, for queries in slots start..start+t-1.
@@ -617,9 +628,7 @@ class LeanCache:
         width = self._width(t)
         if width > t:  # pad with holes: their slots are written, attended by nothing, and overwritten later
             pad = width - t
-            # fresh, standard strides: a guard on strides would compile a graph again for a view
-            ids = F.pad(ids, (0, pad)).clone(memory_format=torch.contiguous_format)
-            positions = F.pad(positions, (0, pad)).clone(memory_format=torch.contiguous_format)
+            ids, positions = F.pad(ids, (0, pad)), F.pad(positions, (0, pad))
             real = F.pad(real, (0, pad))
             visible = None if visible is None else F.pad(visible, (0, pad, 0, pad))
         if self.places is not None:  # rows have left: the live ones run in their places, the others as holes
@@ -631,8 +640,8 @@ class LeanCache:
         if self.compile and self.lean.compiled is not None and width in WIDTHS:
             # attention spans the whole cache; hidden states always, so one graph per width serves
             # drafters that read them and those that do not
-            args = (ids, positions, slot_mask(real, start, self.capacity, visible), slots, self.keys, self.values,
-                    self.capacity, True, True)
+            args = (fresh(ids), fresh(positions), slot_mask(real, start, self.capacity, visible), slots, self.keys,
+                    self.values, self.capacity, True, True)
             out = self.lean.run_compiled(args)  # None: compiling was given up, run eager
             replayed = out is not None and self.lean.graphs
         if out is None:
