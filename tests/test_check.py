@@ -10,6 +10,7 @@ from conftest import words
 
 from specviz.core.generator import Settings, generate
 from specviz.models import leanllama
+from specviz.models.leanllama import LeanLlama
 from specviz.tools import check
 from specviz.tools.cli import main
 
@@ -127,17 +128,23 @@ def test_a_case_reports_warnings_once_and_not_progress():
     assert caught.seen == ["specviz: 64 shapes compiled in this process, the most kept; m runs a forward eager"]
 
 
-def test_a_compiled_run_without_cuda_graphs_says_so(pattern_pair, monkeypatch):
-    """On a GPU inductor may run a compiled graph without CUDA graphs (and count it): the case says how often."""
+def test_a_compiled_run_without_cuda_graphs_or_with_uncounted_graphs_says_so(pattern_pair, monkeypatch):
+    """On a GPU inductor may run a compiled graph without CUDA graphs (and count it), and dynamo may compile a
+    graph again for something other than a new shape (a stride, a guard, a graph break): the case says how
+    often, and a new shape that specviz counts is not such a graph."""
     from torch._dynamo.utils import counters
 
     real = check.generate_batch
 
     def skipping(*args, **kwargs):
         counters["inductor"]["cudagraph_skips"] += 2
+        counters["stats"]["unique_graphs"] += 3
+        LeanLlama.shapes_compiled += 1  # one of the three a new shape
         return real(*args, **kwargs)
 
     monkeypatch.setattr(check, "generate_batch", skipping)
+    monkeypatch.setattr(LeanLlama, "shapes_compiled", LeanLlama.shapes_compiled)
     (outcome,) = check.check(pattern_pair("llama"), compiled=False, max_new_tokens=4, prompts=PROMPTS,
                              only=lambda c: c.name == "model γ 3, static cache, T=0")
-    assert outcome.status == "ok" and outcome.checks[-1].startswith("CUDA graphs skipped 2 times")
+    assert outcome.status == "ok" and outcome.checks[-2].startswith("CUDA graphs skipped 2 times")
+    assert outcome.checks[-1].startswith("2 graph(s) compiled beyond the shapes counted")

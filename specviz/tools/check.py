@@ -22,8 +22,9 @@ every number is computed row by row alone (`row_alone`: attention in specviz's C
 layers in one C call, and each product through paths of one `bits` family at every row count): there any
 difference fails. Each case
 also reports its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager
-cases only), the warnings it raised (a compiled forward falling back to eager, for one) and how
-often inductor ran a compiled graph without CUDA graphs. No timings here: `bench` measures.
+cases only), the warnings it raised (a compiled forward falling back to eager, for one), how
+often inductor ran a compiled graph without CUDA graphs, and any graph dynamo compiled beyond the shapes
+specviz counts (a recompile for a stride, a guard, a graph break). No timings here: `bench` measures.
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: in
     except ValueError as err:
         return Outcome(case, "skipped", [str(err)])
     caught, skips = _Caught(), counters["inductor"]["cudagraph_skips"]
+    graphs, shapes = counters["stats"]["unique_graphs"], LeanLlama.shapes_compiled
     logging.getLogger().addHandler(caught)
     try:
         with warnings.catch_warnings(record=True) as raised:
@@ -229,6 +231,9 @@ def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: in
         if counters["inductor"]["cudagraph_skips"] > skips:  # inductor ran a compiled graph without CUDA graphs
             checks.append(f"CUDA graphs skipped {counters['inductor']['cudagraph_skips'] - skips} times "
                           "(TORCH_LOGS=cudagraphs says why)")
+        extra = counters["stats"]["unique_graphs"] - graphs - (LeanLlama.shapes_compiled - shapes)
+        if extra > 0:  # dynamo compiled again for something other than a new shape (each: a compile, a recording)
+            checks.append(f"{extra} graph(s) compiled beyond the shapes counted (TORCH_LOGS=recompiles says why)")
         found = caught.seen + [str(w.message).splitlines()[0][:200] for w in raised]
         waits = None if case.compiled else counter.total / max(1, len(first.events))
         return Outcome(case, status, checks, waits, list(dict.fromkeys(found)))
