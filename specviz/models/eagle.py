@@ -316,10 +316,9 @@ class EagleHead(nn.Module):
         """`_layer` compiled at fixed shapes: t entries padded with holes to `width` (token 0 at position 0,
         written to the scratch slot, seeing slot 0 only), dropped after. None if compiling was given up."""
         t, pad = tokens.shape[1], width - tokens.shape[1]
-        if pad:
-            positions, tokens, slots = F.pad(positions, (0, pad)), F.pad(tokens, (0, pad)), F.pad(
-                slots, (0, pad), value=cache.scratch)
-            g = F.pad(g, (0, 0, 0, pad))
+        if pad:  # (entries that fill the width go in as they are)
+            tokens, positions = F.pad(tokens, (0, pad)), F.pad(positions, (0, pad))
+            slots, g = F.pad(slots, (0, pad), value=cache.scratch), F.pad(g, (0, 0, 0, pad))
             holes = F.pad(mask.new_ones(mask.shape[0], pad, 1), (0, mask.shape[2] - 1))  # [B, pad, C + 1]: slot 0
             mask = torch.cat([mask, holes], 1)
         args = (cache.keys, cache.values, *map(fresh, (tokens, g)), cos[positions], sin[positions],
