@@ -372,10 +372,15 @@ class HeadCache:
         c = self.head.config
         shape = (batch, c.kv_heads, capacity + 1, c.head_dim)
         if self.compiled:
-            _, (self.keys,), (self.values,) = self.lease[0] = lend(self.head.spare, self.head.graphs, shape, 1, like)
-        else:
-            self.keys, self.values = like.new_zeros(shape), like.new_zeros(shape)
+            lent = lend(self.head.spare, self.head.graphs, shape, 1, like)
+            self.lease[0] = self.stack, (self.keys,), (self.values,) = lent
+        else:  # [2, B, ...]: keys and values as views of one tensor, as the compiled sets are
+            self._stacked(like.new_zeros((2, *shape)))
         self.slot_index = _slot_index(self.scratch, like.device)
+
+    def _stacked(self, stack: torch.Tensor) -> None:
+        self.stack = stack
+        self.keys, self.values = stack.unbind()
 
     @property
     def scratch(self) -> int:
@@ -385,9 +390,9 @@ class HeadCache:
         """Grow (doubling; compiled, to 256 times a power of two: few shapes) so that slots 0..need-1 exist."""
         if need <= self.scratch:
             return
-        keys, values, lease, slots = self.keys, self.values, self.lease[:], self.scratch
-        self._hold(keys.shape[0], compiled_capacity(need) if self.compiled else max(need, 2 * slots), keys)
-        self.keys[:, :, :slots], self.values[:, :, :slots] = keys[:, :, :slots], values[:, :, :slots]
+        old, lease, slots = self.stack, self.lease[:], self.scratch
+        self._hold(old.shape[1], compiled_capacity(need) if self.compiled else max(need, 2 * slots), old)
+        self.stack[:, :, :, :slots] = old[:, :, :, :slots]
         give_back(self.head.spare, lease)
 
     def select(self, rows: list[int]) -> None:
@@ -396,10 +401,9 @@ class HeadCache:
         the head's steps cost far less)."""
         index = torch.tensor(rows, device=self.keys.device)
         if self.compiled and len(rows) == self.keys.shape[0]:  # the graphs keep their addresses
-            self.keys.copy_(self.keys[index])
-            self.values.copy_(self.values[index])
+            self.stack.copy_(self.stack[:, index])
         else:
-            self.keys, self.values = self.keys[index], self.values[index]
+            self._stacked(self.stack[:, index])
             if self.compiled:
                 self.compiled = False
                 give_back(self.head.spare, self.lease)

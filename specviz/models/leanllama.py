@@ -384,14 +384,6 @@ class LeanLlama(nn.Module):
         self.spare: list[tuple] = []  # compiled caches' sets no one holds (`lend`)
         self.native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
 
-    def lend(self, batch: int, capacity: int, like: torch.Tensor
-             ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """A set for a compiled cache of `batch` rows and at least `capacity` slots (`lend`)."""
-        return lend(self.spare, self.graphs, (batch, self.kv_heads, capacity, self.head_dim), len(self.layers), like)
-
-    def give_back(self, lease: list) -> None:
-        give_back(self.spare, lease)
-
     def native_weights(self, rows: int) -> ctypes.Array | None:
         """The layers' weights for native.layers at this row count (layer_plan's, layer after layer), or None
         where a layer does not fit it. Where a product's fastest path has no C function, the layers run in one call
@@ -587,18 +579,20 @@ class LeanCache:
         self.place_index: torch.Tensor | None = None  # the same, on the device
         self.lease: list = [None]  # compiled: the set held, handed back when this cache is dropped
         if compile:
-            weakref.finalize(self, lean.give_back, self.lease)
+            weakref.finalize(self, give_back, lean.spare, self.lease)
 
     def _hold(self, batch: int, like: torch.Tensor) -> None:
         """Caches for `batch` rows of self.capacity slots (compiled: the model's spare set, if one fits)."""
+        lean = self.lean
+        shape = (batch, lean.kv_heads, self.capacity, lean.head_dim)
         if self.compile:
             old = self.lease[:]
-            self.lease[0] = self.stack, self.keys, self.values = self.lean.lend(batch, self.capacity, like)
-            self.lean.give_back(old)
+            lent = lend(lean.spare, lean.graphs, shape, len(lean.layers), like)
+            self.lease[0] = self.stack, self.keys, self.values = lent
+            give_back(lean.spare, old)
             self.capacity = self.keys[0].shape[2]
         else:
-            shape = (batch, self.lean.kv_heads, self.capacity, self.lean.head_dim)
-            self._stacked(like.new_zeros((2 * len(self.lean.layers), *shape)))
+            self._stacked(like.new_zeros((2 * len(lean.layers), *shape)))
 
     def _stacked(self, stack: torch.Tensor) -> None:
         self.stack, layers = stack, len(self.lean.layers)
