@@ -46,7 +46,7 @@ from specviz.ui.page import (
     share_the_cores,
 )
 from specviz.ui.view import OUTPUT_NAMES, STEP_HINT, empty_charts
-from specviz.view.rendering import CSS, legend_html
+from specviz.view.rendering import BASELINE_KINDS, CSS, SPECULATIVE_KINDS, legend_html
 
 log = logging.getLogger("specviz")
 # The key n presses Next ▸, except while typing in a field.
@@ -111,34 +111,34 @@ def projector_from_url(request: gr.Request = None) -> bool:
 EMPTY = empty_charts()  # the charts' frames, drawn before any run
 # delete_cache: Gradio's copies of downloaded traces go after an hour, so a public server's disk stays flat
 with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3600)) as demo:
-    gr.Markdown("## specviz: watch speculative decoding\nA small drafter proposes γ tokens; the target checks "
-                "them all in one forward pass and keeps each with probability min(1, p/q).")
+    # the first screen, down to the first line of both streams, fits a projector's 1280x720
     with gr.Row():
-        with gr.Column(scale=3):
+        with gr.Column(scale=5, min_width=320):
+            gr.Markdown("## specviz: watch speculative decoding\nA small drafter proposes γ tokens; the target "
+                        "checks them all in one forward pass and keeps each with probability min(1, p/q).")
+        projector = gr.Checkbox(False, label="projector (large type)", elem_id="projector", scale=0, min_width=200,
+                                container=False)
+    with gr.Row():
+        with gr.Column(scale=2):
             prompt = gr.Textbox(label="Prompt", lines=2, max_lines=8, value=EXAMPLES[0])
             with gr.Row():
-                run_btn = gr.Button("Run", variant="primary", elem_id="run-btn")
-                step_btn = gr.Button("Step (one round)", elem_id="step-btn")
-                back_btn = gr.Button("◂ Back", elem_id="back-btn")
-                next_btn = gr.Button("Next ▸ (key n)", elem_id="next-btn")
-                continue_btn = gr.Button("Continue", elem_id="continue-btn")
-                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
-            projector = gr.Checkbox(False, label="projector (large type)", elem_id="projector")
-        with gr.Column(scale=2):
-            with gr.Row():
-                preset = gr.Dropdown([*PRESETS] if PUBLIC else [*PRESETS, CUSTOM], value="offline",
-                                     label="Model pair", scale=1)
-                drafter = gr.Dropdown(DRAFTER_CHOICES, value=FIRST_RUN.drafter, label="Drafter", elem_id="drafter",
-                                      scale=2)  # its choices are sentences
-            with gr.Row():
-                gamma = gr.Slider(1, MAX_GAMMA_UI, value=FIRST_RUN.gamma, step=1, label="γ (drafts per round)")
-                temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)")
-                max_new_tokens = gr.Slider(1, MAX_TOKENS_UI, value=64, step=1, label="max new tokens")
-            with gr.Row():
-                branch = gr.Slider(1, MAX_BRANCH, value=FIRST_RUN.branch, step=1, elem_id="branch",
-                                   label="children per draft (1 = a chain, more = a tree; EAGLE head)")
-                nodes = gr.Slider(0, MAX_NODES_UI, value=FIRST_RUN.nodes, step=1, elem_id="nodes",
-                                  label="tree: drafts verified per round (0 = all)")
+                run_btn = gr.Button("Run", variant="primary", elem_id="run-btn", min_width=70)
+                step_btn = gr.Button("Step", elem_id="step-btn", min_width=70)
+                back_btn = gr.Button("◂ Back", elem_id="back-btn", min_width=70)
+                next_btn = gr.Button("Next ▸", elem_id="next-btn", min_width=70)
+                continue_btn = gr.Button("Continue", elem_id="continue-btn", min_width=70)
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", min_width=70)
+        with gr.Column(scale=1, min_width=300):
+            preset = gr.Dropdown([*PRESETS] if PUBLIC else [*PRESETS, CUSTOM], value="offline", label="Model pair")
+            drafter = gr.Dropdown(DRAFTER_CHOICES, value=FIRST_RUN.drafter, label="Drafter", elem_id="drafter")
+    with gr.Row():
+        gamma = gr.Slider(1, MAX_GAMMA_UI, value=FIRST_RUN.gamma, step=1, label="γ (drafts per round)", min_width=160)
+        temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)", min_width=160)
+        max_new_tokens = gr.Slider(1, MAX_TOKENS_UI, value=64, step=1, label="max new tokens", min_width=160)
+        branch = gr.Slider(1, MAX_BRANCH, value=FIRST_RUN.branch, step=1, elem_id="branch", min_width=160,
+                           label="children per draft (1 = a chain)")
+        nodes = gr.Slider(0, MAX_NODES_UI, value=FIRST_RUN.nodes, step=1, elem_id="nodes", min_width=160,
+                          label="tree: drafts verified (0 = all)")
     with gr.Accordion("More settings and example prompts", open=False):
         with gr.Row():
             custom_target = gr.Textbox(label="Custom target (hub id or local dir)", visible=False)
@@ -164,13 +164,12 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
         gr.Examples(EXAMPLES, inputs=prompt, label="Example prompts")
         gr.Examples(EDIT_EXAMPLES, inputs=prompt, label="Edits: try them with prompt lookup")
     status = gr.HTML(elem_id="status")
-    gr.HTML(legend_html())
     with gr.Row():
         with gr.Column():
-            gr.Markdown("**Speculative**")
+            gr.HTML(legend_html("<b>Speculative</b>", SPECULATIVE_KINDS))
             spec_html = gr.HTML(elem_id="spec-stream")
         with gr.Column():
-            gr.Markdown("**Baseline** (target alone)")
+            gr.HTML(legend_html("<b>Baseline</b> (target alone)", BASELINE_KINDS))
             base_html = gr.HTML(elem_id="base-stream")
     diff_box = gr.HTML()
     with gr.Row():

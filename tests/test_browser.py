@@ -333,14 +333,14 @@ def queue_state() -> str:
 
 
 def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
-    """At 1400x1000 after a run: the speculative stream and the speedup without scrolling. Stop during
-    Sample N: no more of its updates, and the next run gets the device at once."""
+    """At a projector's 1280x720 after a run: the speedup and both streams' first tokens without scrolling,
+    in large type too. Stop during Sample N: no more of its updates, and the next run gets the device at once."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
         sent = []  # the page's queue requests and console lines, for a failure's report
         page.on("request", lambda r: sent.append(f"{r.method} {r.url}") if "/queue/" in r.url or "/cancel" in r.url
                 else None)
@@ -351,10 +351,15 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         page.locator("#run-btn").click()
         page.locator("#status :text('Speedup')").wait_for(timeout=300_000)
         assert page.evaluate("window.scrollY") == 0
-        for element in ("#status", "#spec-stream .sv-tok >> nth=0", "#base-stream .sv-tok >> nth=0"):
-            box = page.locator(element).bounding_box()
-            assert box and box["y"] + box["height"] <= 1000, (element, box)  # on the first screen
         page.screenshot(path=str(SCREENSHOT.with_name("first-screen.png")))
+        for projector in (False, True):
+            if projector:
+                page.get_by_label("projector (large type)").check()
+                page.wait_for_function("document.body.classList.contains('sv-projector')", timeout=30_000)
+            for element in ("#status", "#spec-stream .sv-tok >> nth=0", "#base-stream .sv-tok >> nth=0"):
+                box = page.locator(element).bounding_box()
+                assert box and box["y"] + box["height"] <= 720, (projector, element, box)  # on the first screen
+        page.get_by_label("projector (large type)").uncheck()
 
         page.get_by_role("tab", name="Lossless, visible").click()
         samples = page.get_by_role("spinbutton", name="N", exact=True)

@@ -97,7 +97,9 @@ CSS = """
 .sv-target { background: #eeeeee; color: #222; }
 .sv-diff { outline: 2px solid #f39c12; }
 .sv-round { color: #aaa; font-size: 11px; padding: 0 2px; user-select: none; }
-.sv-legend span { margin-right: 12px; padding: 2px 6px; }
+.sv-legend { line-height: 2; }
+.sv-legend span { margin-right: 6px; padding: 2px 6px; display: inline-block; white-space: nowrap; }
+.sv-legend .sv-heading { padding-left: 0; }
 .sv-stats td { padding: 2px 10px 2px 0; }
 .sv-error { color: #922b21; background: #fdedec; padding: 8px; border-radius: 4px; }
 .sv-batch-row { border-left: 3px solid #ddd; padding: 4px 10px; margin: 8px 0; }
@@ -134,10 +136,15 @@ def _span(text: str, kind: str, title: str, extra_class: str = "", style: str = 
     return f'<span class="{cls}" title="{html.escape(title)}"{style_attr}>{html.escape(text)}</span>'
 
 
-def legend_html() -> str:
-    items = [("accepted draft", "accepted"), ("rejected draft", REJECTED), ("correction", CORRECTION),
-             ("bonus", BONUS), ("baseline token", "target")]
-    return '<div class="sv-legend">' + "".join(_span(n, k, n) for n, k in items) + "</div>"
+SPECULATIVE_KINDS = (("accepted draft", "accepted"), ("rejected draft", REJECTED), ("correction", CORRECTION),
+                     ("bonus", BONUS))
+BASELINE_KINDS = (("baseline token", "target"),)
+
+
+def legend_html(heading: str, kinds: tuple[tuple[str, str], ...]) -> str:
+    """A stream's heading (HTML) and the colours of the kinds of token it shows, (name, kind) pairs."""
+    return (f'<div class="sv-legend"><span class="sv-heading">{heading}</span>'
+            + "".join(_span(n, k, n) for n, k in kinds) + "</div>")
 
 
 def stream_html(run: Run | None, show_rounds: bool = False, diff_at: int | None = None) -> str:
