@@ -2,11 +2,12 @@
    (kernels.py, "avx2" and "avx2-bf16"). The weight is packed once as [ceil(n / 16)][k][16]: a block of
    16 output columns is 16 consecutive weights per k, read once from memory per call and kept in cache
    while up to 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 ymm registers)
-   pass over it; with more than one row the first pass also prefetches the next block (the hardware
-   prefetcher alone left memory idle while a pass computed, on the AVX2 CPU this was timed on) into L2,
-   not L1: a float32 block of 576 k is 36 KB, so with the next one beside it in a 32 KB L1 each evicted
-   the other: a 6-row forward's products cost 1.2-1.4x one row's, into L2 0.94-1.04x (CPU A, BENCHMARKS.md,
-   "eighth session").
+   pass over it; the first pass also prefetches the next block (the hardware prefetcher alone left memory
+   idle while a pass computed) into L2, not L1: a float32 block of 576 k is 36 KB, so with the next one
+   beside it in a 32 KB L1 each evicted the other: a 6-row forward's products cost 1.2-1.4x one row's, into
+   L2 0.94-1.04x (CPU A, BENCHMARKS.md, "eighth session"). One row prefetches too: a one-row pass is two FMA
+   chains, the slowest to compute, and without the hint a bfloat16 output head of one row took 1.2x two rows'
+   time on CPU B (AVX2; BENCHMARKS.md, "one row prefetches").
    Weights are float32 (specviz_gemm) or bfloat16 (specviz_gemm_bf16: half the bytes to stream, each
    widened to float32 in registers, exactly; x, the sums and y stay float32).
    Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
@@ -79,7 +80,7 @@ INLINE void block(const float *x, const void *w, int bf16, const float *b, float
     for (int p = 0, m0 = 0; p < passes; p++) {
         int rows = m / passes + (p < m % passes);
         const float *xs = x + (size_t)m0 * k_len;
-        const char *next = m > 1 && p == 0 && j + 1 < blocks ? wb + bytes : 0;
+        const char *next = p == 0 && j + 1 < blocks ? wb + bytes : 0;
         float *ys = y + (size_t)m0 * n;
         switch (rows) { /* a constant row count per case: accumulators in registers */
         case 1: rows_by_block(xs, wb, next, bf16, b, ys, 1, k_len, n, j * 16); break;
@@ -164,7 +165,7 @@ INLINE512 void block512(const float *x, const void *w, int bf16, const float *b,
     for (int p = 0, m0 = 0; p < passes; p++) {
         int rows = m / passes + (p < m % passes);
         const float *xs = x + (size_t)m0 * k_len;
-        const char *next = m > 1 && p == 0 && j + 1 < blocks ? wb + bytes : 0;
+        const char *next = m > 1 && p == 0 && j + 1 < blocks ? wb + bytes : 0; /* one row: not yet timed with the hint on an AVX-512 CPU */
         float *ys = y + (size_t)m0 * n;
         switch (rows) {
         PASS512(1) PASS512(2) PASS512(3) PASS512(4) PASS512(5) PASS512(6)
