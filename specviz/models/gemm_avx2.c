@@ -165,7 +165,8 @@ INLINE512 void block512(const float *x, const void *w, int bf16, const float *b,
     for (int p = 0, m0 = 0; p < passes; p++) {
         int rows = m / passes + (p < m % passes);
         const float *xs = x + (size_t)m0 * k_len;
-        const char *next = m > 1 && p == 0 && j + 1 < blocks ? wb + bytes : 0; /* one row: not yet timed with the hint on an AVX-512 CPU */
+        /* with more than one row only: one row with the hint has not been timed on an AVX-512 CPU yet */
+        const char *next = m > 1 && p == 0 && j + 1 < blocks ? wb + bytes : 0;
         float *ys = y + (size_t)m0 * n;
         switch (rows) {
         PASS512(1) PASS512(2) PASS512(3) PASS512(4) PASS512(5) PASS512(6)
