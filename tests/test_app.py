@@ -130,10 +130,14 @@ def test_lookup_then_eagle_copies_where_the_answer_repeats_the_prompt(app_url):
     assert stat(stats, "rounds drafted by prompt lookup") == f"{copied} of {len(spec.events)}"
 
 
-def test_a_preset_brings_its_first_run_settings():
+def test_a_preset_brings_its_first_run_settings(monkeypatch):
+    """Before this machine's first run is measured, a preset brings its own settings (measured ones: test_costs;
+    another test's app may have measured them already in this process)."""
     import app
     from specviz.models.loading import PRESETS
+    from specviz.ui import page
 
+    monkeypatch.setattr(page, "_MACHINE_CHOICES", {})
     offline = PRESETS["offline"]
     _, _, drafter, gamma, policy, branch, nodes = app.preset_changed("offline")
     assert (branch["value"], nodes["value"]) == (offline.branch, offline.nodes)
