@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def fresh_tables(tmp_path, monkeypatch):
-    """An empty cache folder and no table in memory; restored afterwards."""
-    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    """A cache folder with no table (our C library as this run built it linked in: a build takes 10-50 s) and no
+    table in memory; restored afterwards."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(with_our_build(tmp_path)))
     saved = dict(kernels._TABLES)
     kernels._TABLES.clear()
     yield tmp_path
@@ -578,17 +579,33 @@ def test_our_kernel_is_skipped_without_a_compiler_and_built_once(fresh_tables, m
 
     if torch.backends.cpu.get_cpu_capability().lower() not in ("avx2", "avx512"):
         pytest.skip("this CPU runs no AVX2 kernels")
+    unbuilt = fresh_tables / "unbuilt"  # fresh_tables links this run's build in: a folder without it
+    monkeypatch.setenv("SPECVIZ_CACHE", str(unbuilt))
     compiler = native._compiler
     native.library.cache_clear()
     monkeypatch.setattr(native, "_compiler", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler found")))
     assert "no C compiler found" in kernels.unavailable(torch.float32)["avx2"]
     monkeypatch.setattr(native, "_compiler", compiler)
     native.library.cache_clear()
-    built = native.build()
-    assert built.parent == fresh_tables / "kernels" and built.name.startswith("gemm-avx2-")
+    said = []
+    built = native.build(said.append)
+    assert built.parent == unbuilt / "kernels" and built.name.startswith("gemm-avx2-")
+    assert said[0].startswith("compiling specviz's C kernels") and said[-1].startswith("  compiled in")
     calls = []
     monkeypatch.setattr(native, "_compiler", lambda: calls.append(1) or "cc")
-    assert native.build() == built and not calls and "avx2" not in kernels.unavailable(torch.float32)
+    assert native.build(said.append) == built and not calls and "avx2" not in kernels.unavailable(torch.float32)
+    assert len(said) == 2  # found built: nothing said
+
+    # a compile that fails is not tried again in the same process (a start would otherwise wait for it twice)
+    failing = fresh_tables / "failing-cc"
+    failing.write_text(f"#!/bin/sh\necho run >> {fresh_tables / 'runs'}\necho 'error: no such flag' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(native, "_compiler", lambda: str(failing))
+    monkeypatch.setenv("SPECVIZ_CACHE", str(fresh_tables / "failed"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="failing-cc failed: error: no such flag"):
+            native.prepare(said.append) or native.build()
+    assert (fresh_tables / "runs").read_text() == "run\n"
 
 
 def test_without_avx2_our_kernel_is_skipped_and_decoding_runs(pattern_dirs, tmp_path):

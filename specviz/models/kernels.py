@@ -499,6 +499,7 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
             if busy := [s for s in missing if s in t.times]:
                 say(f"timing {', '.join(busy)} again: other programs took more than {contention.BUSY:.0%} of the "
                     "CPU time specviz needed when they were timed")
+            native.prepare(say)  # a first start compiles our kernels here: said, not silent
             t.skipped = unavailable(dtype)
             paths = [p for p in PATHS.values() if p.name not in t.skipped]
             started = time.perf_counter()

@@ -25,6 +25,7 @@ inductor also uses) into the specviz cache folder once per machine, and loaded w
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -32,6 +33,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +45,8 @@ SOURCE = Path(__file__).with_name("gemm_avx2.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
 PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
+BUILD_TIMEOUT_S = 300  # a compile at -O3 takes 35 s on a 2-core AVX2 VM (CPU B), one thread
+_FAILED: dict[Path, str] = {}  # libraries whose compile failed in this process, with why: not compiled again
 
 
 def _compiler() -> str:
@@ -60,37 +64,64 @@ def digest() -> str:
     return hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
-def build() -> Path:
+def build(progress: Callable[[str], None] | None = None) -> Path:
     """The shared library in the cache folder, compiled now if it is not there (once per machine:
-    processes sharing the folder wait for the first); raises with the compiler's words if it fails."""
+    processes sharing the folder wait for the first), saying so to progress (half a minute at -O3 on a
+    2-core AVX2 CPU); raises with the compiler's words if it fails."""
     built = cache_root() / "kernels" / f"gemm-avx2-{digest()}.so"
     if built.is_file():
         return built
+    if built in _FAILED:
+        raise RuntimeError(_FAILED[built])
     if not SOURCE.is_file():
         raise RuntimeError(f"{SOURCE.name} is missing from the installed package")
-    with locked(built):
+    with locked(built, progress):
         if built.is_file():  # another process built it meanwhile
             return built
         compiler = _compiler()
+        if progress:
+            progress(f"compiling specviz's C kernels with {Path(compiler).name} (once per machine and kernel "
+                     f"source, into {built.parent}; about half a minute)...")
+        started = time.perf_counter()
         fd, tmp = tempfile.mkstemp(dir=built.parent, prefix=built.name, suffix=".tmp")
         os.close(fd)
         try:
             out = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                                 timeout=120)
+                                 timeout=BUILD_TIMEOUT_S)
             if out.returncode:
-                raise RuntimeError(f"{Path(compiler).name} failed: {out.stderr.strip()[-300:]}")
+                _FAILED[built] = f"{Path(compiler).name} failed: {out.stderr.strip()[-300:]}"
+                raise RuntimeError(_FAILED[built])
             os.replace(tmp, built)
+        except subprocess.TimeoutExpired:
+            _FAILED[built] = f"{Path(compiler).name} took more than {BUILD_TIMEOUT_S} s"
+            raise RuntimeError(_FAILED[built]) from None
         finally:
             Path(tmp).unlink(missing_ok=True)
+        if progress:
+            progress(f"  compiled in {time.perf_counter() - started:.0f} s")
     return built
+
+
+def _capability() -> str:
+    """'' where this process may run the library, else why not: ATen's own check of AVX2 and FMA
+    (ATEN_CPU_CAPABILITY caps it)."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return "" if capability in ("avx2", "avx512") else f"needs AVX2 and FMA (ATen runs {capability} kernels here)"
+
+
+def prepare(progress: Callable[[str], None]) -> None:
+    """Build the library now, saying so, where this process may run it: the first library() call otherwise
+    compiles in silence. A failed build is left to library() to report."""
+    if not _capability():
+        with contextlib.suppress(RuntimeError, OSError):
+            build(progress)
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     """The kernel, built if need be and loaded; raises with the reason where this process cannot run it."""
-    capability = torch.backends.cpu.get_cpu_capability().lower()
-    if capability not in ("avx2", "avx512"):  # ATen's own check of AVX2 and FMA (ATEN_CPU_CAPABILITY caps it)
-        raise RuntimeError(f"needs AVX2 and FMA (ATen runs {capability} kernels here)")
+    if why := _capability():
+        raise RuntimeError(why)
     lib = ctypes.CDLL(str(build()))
     for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16, lib.specviz_gemm512, lib.specviz_gemm512_bf16,
                   lib.specviz_gemm_dot_bf16):  # x, w, b, y, m, n, and k (the pair kernel: k / 2)
