@@ -35,7 +35,7 @@ from specviz.tools.distill import DistillConfig, distill_eagle
 
 def with_our_build(cache: Path) -> Path:
     """cache (a fresh SPECVIZ_CACHE for a subprocess), with specviz's C library as this run built it linked in:
-    building it takes 10-50 s, once per run is enough (the file is named by the source's digest, so a changed
+    building it once per run is enough (the file is named by the source's digest, so a changed
     source still builds anew). Where it cannot be built, nothing is linked and the subprocess says why."""
     from specviz.models import native
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def fresh_tables(tmp_path, monkeypatch):
-    """A cache folder with no table (our C library as this run built it linked in: a build takes 10-50 s) and no
+    """A cache folder with no table (our C library as this run built it linked in) and no
     table in memory; restored afterwards."""
     monkeypatch.setenv("SPECVIZ_CACHE", str(with_our_build(tmp_path)))
     saved = dict(kernels._TABLES)

@@ -45,7 +45,7 @@ SOURCE = Path(__file__).with_name("gemm_avx2.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
 PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
-BUILD_TIMEOUT_S = 300  # a compile at -O3 takes 35 s on a 2-core AVX2 VM (CPU B), one thread
+BUILD_TIMEOUT_S = 300  # a compile at -O3 takes 3-4 s on a 2-core AVX2 VM (CPU B; gcc 12, one thread)
 _FAILED: dict[Path, str] = {}  # libraries whose compile failed in this process, with why: not compiled again
 
 
@@ -66,8 +66,8 @@ def digest() -> str:
 
 def build(progress: Callable[[str], None] | None = None) -> Path:
     """The shared library in the cache folder, compiled now if it is not there (once per machine:
-    processes sharing the folder wait for the first), saying so to progress (half a minute at -O3 on a
-    2-core AVX2 CPU); raises with the compiler's words if it fails."""
+    processes sharing the folder wait for the first), saying so to progress (a few seconds: 3-4 s on CPU
+    B); raises with the compiler's words if it fails."""
     built = cache_root() / "kernels" / f"gemm-avx2-{digest()}.so"
     if built.is_file():
         return built
@@ -81,7 +81,7 @@ def build(progress: Callable[[str], None] | None = None) -> Path:
         compiler = _compiler()
         if progress:
             progress(f"compiling specviz's C kernels with {Path(compiler).name} (once per machine and kernel "
-                     f"source, into {built.parent}; about half a minute)...")
+                     f"source, into {built.parent})...")
         started = time.perf_counter()
         fd, tmp = tempfile.mkstemp(dir=built.parent, prefix=built.name, suffix=".tmp")
         os.close(fd)
