@@ -45,7 +45,7 @@ SOURCE = Path(__file__).with_name("gemm_avx2.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
 PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
-BUILD_TIMEOUT_S = 300  # a compile at -O3 takes 3-4 s on a 2-core AVX2 VM (CPU B; gcc 12, one thread)
+BUILD_TIMEOUT_S = 300  # a compile at -O3 took 3.4-4.1 s on a 2-core AVX2 VM (CPU B; gcc 12)
 _FAILED: dict[Path, str] = {}  # libraries whose compile failed in this process, with why: not compiled again
 
 
@@ -66,7 +66,7 @@ def digest() -> str:
 
 def build(progress: Callable[[str], None] | None = None) -> Path:
     """The shared library in the cache folder, compiled now if it is not there (once per machine:
-    processes sharing the folder wait for the first), saying so to progress (a few seconds: 3-4 s on CPU
+    processes sharing the folder wait for the first), saying so to progress (a few seconds: 3.4-4.1 s on CPU
     B); raises with the compiler's words if it fails."""
     built = cache_root() / "kernels" / f"gemm-avx2-{digest()}.so"
     if built.is_file():
