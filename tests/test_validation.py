@@ -1,5 +1,8 @@
 """Bad input gets a clear ValueError before any model work, and nothing is left half-done."""
 
+import dataclasses
+import re
+
 import pytest
 from conftest import make_tokenizer, words
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -97,6 +100,82 @@ def test_cli_rejects_bad_input_before_loading(monkeypatch, capsys, argv, message
     monkeypatch.setattr(cli, "load_pair", no_loading)
     assert cli.main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+DISTILL = ["distill", "--target", "offline", "--out", "x"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+        (["bench", "--gammas", "2,a"], "--gammas: expected comma-separated int values, got '2,a'"),
+        (["bench", "--temperatures", "0,-1"], "temperature"),
+        (["bench", "--batch", "-1"], "--batch must be at least 0"),
+        (["kernels", "--repeats", "0"], "--repeats must be at least 1"),
+        (["bench-render", "--repeats", "0"], "--repeats must be at least 1"),
+        (["generate", "--prompt", "hi", "--branch", "0"], "branch"),
+        (["generate", "--prompt", "hi", "--temperature", "1", "--sample-check", "0"], "--sample-check must be at"),
+        (["generate", "--prompt", "hi", "--sample-check", "5"], "--sample-check needs --temperature > 0"),
+        ([*DISTILL, "--gen-batch", "0"], "gen_batch"),
+        ([*DISTILL, "--batch", "0"], "error: batch must be"),
+        ([*DISTILL, "--holdout", "1.5"], "holdout"),
+        ([*DISTILL, "--lr", "-1"], "lr must be a finite number >= 0"),
+        ([*DISTILL, "--kind", "eagle", "--temperatures", "0,x"], "--temperatures: expected comma-separated float"),
+        ([*DISTILL, "--kind", "eagle", "--temperatures", "-1"], "temperatures[0]"),
+        ([*DISTILL, "--train-minutes", "0", "--max-steps", "0"], "train_minutes > 0 or max_steps"),
+        ([*DISTILL, "--gen-temperature", "0"], "gen_temperature must be > 0"),
+        ([*DISTILL, "--hidden", "100", "--heads", "3"], "must split into its heads"),
+    ],
+)
+def test_every_command_rejects_bad_input_before_loading(monkeypatch, capsys, argv, message):
+    """Each command checks its options before any model loads: a bad one is a one-line error (exit 2), not a
+    traceback minutes into a run."""
+    from specviz.tools import distill
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("models were loaded for a bad request")
+
+    monkeypatch.setattr(cli, "load_pair", no_loading)
+    monkeypatch.setattr(distill, "load_model", no_loading)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_trace_path_is_checked_before_the_run(monkeypatch, capsys, tmp_path):
+    """--trace to a folder fails before loading; a missing parent folder is made, so the run is not lost."""
+    monkeypatch.setattr(cli, "load_pair", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert cli.main(["generate", "--prompt", "hi", "--trace", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="loaded"):  # got as far as loading: the path was accepted
+        cli.main(["generate", "--prompt", "hi", "--trace", str(tmp_path / "new" / "run.json")])
+    assert (tmp_path / "new").is_dir()
+
+
+def test_distill_config_validate():
+    from specviz.tools.distill import DistillConfig
+
+    good = DistillConfig("t", "o")
+    good.validate("eagle")
+    good.validate("draft")
+    for kind, fields, message in [
+        ("eagle", dict(prompts=1), "prompts"),
+        ("eagle", dict(top_k=0), "top_k"),
+        ("eagle", dict(new_tokens=2.5), "new_tokens"),
+        ("eagle", dict(gen_batch=True), "gen_batch"),
+        ("eagle", dict(draft_vocab=0), "draft_vocab"),
+        ("eagle", dict(temperatures=()), "at least one"),
+        ("eagle", dict(temperatures=(0.0, float("nan"))), "temperatures[1]"),
+        ("eagle", dict(train_minutes=float("inf")), "train_minutes"),
+        ("eagle", dict(holdout=1.0), "holdout"),
+        ("draft", dict(kv_heads=0), "kv_heads"),
+        ("draft", dict(heads=4, kv_heads=3), "key-value heads"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dataclasses.replace(good, **fields).validate(kind)
+    dataclasses.replace(good, temperatures=()).validate("draft")  # a draft's data uses gen_temperature only
+    dataclasses.replace(good, draft_vocab=0).validate("draft")
 
 
 def test_every_option_of_every_command_says_what_it_does():

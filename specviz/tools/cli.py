@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from ..core.events import save_runs
 from ..core.generator import (
@@ -115,7 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gamma=gamma, gamma_policy=args.gamma_policy or first_run.gamma_policy, gamma_max=max(args.gamma_max, gamma),
         drafter=args.drafter or first_run.drafter, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, max_new_tokens=args.max_new_tokens, cache=args.cache, compile=args.compile,
-        draft_greedy=args.draft_greedy, branch=args.branch or first_run.branch,
+        draft_greedy=args.draft_greedy, branch=args.branch if args.branch is not None else first_run.branch,
         nodes=args.nodes if args.nodes is not None else first_run.nodes,
     )
     settings.validate()
@@ -127,6 +129,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         validate_prompt(prompt)
     if len(args.prompt) > MAX_BATCH:
         raise ValueError(f"a batch holds at most {MAX_BATCH} prompts, got {len(args.prompt)}")
+    if args.sample_check is not None:
+        _at_least("--sample-check", args.sample_check, 1)
+        if settings.sampling.greedy:
+            raise ValueError("--sample-check needs --temperature > 0: a greedy run has one outcome")
+    if args.trace:
+        _writable(args.trace, "--trace")
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -233,6 +241,20 @@ def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings
     return 0
 
 
+def _writable(path: str, option: str) -> None:
+    """Before any model work: the file can be written (its folder made if missing), so a run is not lost at the
+    end."""
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"{option}: {path} is a folder; give a file name, e.g. {file / 'run.json'}")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{option}: cannot make the folder {file.parent}: {err.strerror}") from None
+    if not os.access(file.parent, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        raise ValueError(f"{option}: {path} cannot be written here")
+
+
 def _sample_check(pair, prompt: str, settings: Settings, n: int, chat_template: bool, out) -> int:
     from ..view.rendering import exact_check_text
     from .lossless import exact_check, sample_check
@@ -280,8 +302,7 @@ def _add_bench_page(sub: argparse._SubParsersAction) -> None:
 def cmd_bench_page(args: argparse.Namespace) -> int:
     from .pagebench import page_runs, table
 
-    if args.runs < 1:
-        raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    _at_least("--runs", args.runs, 1)
     rows = page_runs(args.prompt, args.runs, args.max_new_tokens, args.threads, args.update_s, args.charts_s,
                      lambda m: print(m, file=sys.stderr, flush=True))
     print(table(rows))
@@ -293,6 +314,7 @@ def cmd_bench_render(args: argparse.Namespace) -> int:
 
     settings = Settings(gamma=args.gamma, max_new_tokens=args.max_new_tokens)
     settings.validate()
+    _at_least("--repeats", args.repeats, 1)
     pair = load_pair(preset=args.preset, progress=lambda m: print(m, file=sys.stderr, flush=True))
     prompt_ids = encode_prompt(pair.tokenizer, args.prompt)
     r = render_cost(pair, args.prompt, prompt_ids, settings, args.repeats)
@@ -317,6 +339,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     from ..models import kernels
     from .bench import step_table, step_times
 
+    _at_least("--repeats", args.repeats, 1)
     started = time.perf_counter()
     stored = kernels.table(torch.float32).file
     pair = load_pair(preset=args.preset, device="cpu", dtype=args.dtype, retune=args.retune,
@@ -416,15 +439,15 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
     if args.init and args.kind != "eagle":
         raise ValueError("--init goes on training an EAGLE head: it needs --kind eagle")
-    if args.first_prompt < 0:
-        raise ValueError(f"--first-prompt must be at least 0, got {args.first_prompt}")
     fields = {k: v for k, v in vars(args).items() if k in DistillConfig.__dataclass_fields__}
     fields["target"] = OFFLINE_TARGET if args.target == "offline" else args.target
     fields["chat_template"] = not args.no_chat_template
-    fields["temperatures"] = tuple(float(t) for t in _csv(args.temperatures))
+    fields["temperatures"] = tuple(_csv(args.temperatures, float, "--temperatures"))
+    cfg = DistillConfig(**fields)
+    cfg.validate(args.kind)
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.kind == "eagle":
-        report = distill_eagle(DistillConfig(**fields), progress=progress)
+        report = distill_eagle(cfg, progress=progress)
         data, held = report["data"], report["held_out_by_position"]
         print(f"EAGLE head saved to {args.out}: {report['head_parameters'] / 1e6:.1f} M parameters; "
               f"{data['train_tokens']} training tokens from {data['prompts']} prompts ({data['generation_s']:.0f} s "
@@ -433,7 +456,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
               + ", ".join(f"{s['greedy_agreement']:.1%}" for s in held)
               + f"; {report['total_s'] / 60:.1f} min end to end")
         return 0
-    report = distill(DistillConfig(**fields), progress=progress)
+    report = distill(cfg, progress=progress)
     held = report["held_out"]
     print(f"draft saved to {args.out}: {report['draft_parameters'] / 1e6:.1f} M parameters; "
           f"{report['data']['train_tokens']} training tokens from {report['data']['prompts']} prompts "
@@ -484,8 +507,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--retune", action="store_true", help="measure this CPU's kernels again (kept in the cache)")
 
 
-def _csv(text: str, kind=str) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
+def _csv(text: str, kind=str, option: str = "") -> list:
+    """A comma-separated option's values; one that is not a `kind` is an error naming the option."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option}: expected comma-separated {kind.__name__} values, got {text!r}") from None
+
+
+def _at_least(option: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{option} must be at least {low}, got {value}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -507,9 +539,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .prompts import BENCHMARK_PROMPTS
 
     prompts = BENCHMARK_PROMPTS
-    gammas, lookup_gammas, eagle_gammas = _csv(args.gammas, int), _csv(args.lookup_gammas, int), _csv(
-        args.eagle_gammas, int)
-    temperatures = _csv(args.temperatures, float)
+    gammas, lookup_gammas, eagle_gammas = (_csv(args.gammas, int, "--gammas"), _csv(args.lookup_gammas, int,
+                                           "--lookup-gammas"), _csv(args.eagle_gammas, int, "--eagle-gammas"))
+    temperatures = _csv(args.temperatures, float, "--temperatures")
     drafters, policies = _csv(args.drafters), _csv(args.policies)
     max_new, repeats, batch = args.max_new_tokens, args.repeats, args.batch
     if args.quick:
@@ -519,8 +551,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for d in drafters:
         if d not in DRAFTER_KINDS:
             raise ValueError(f"--drafters: {d!r} is not one of {', '.join(DRAFTER_KINDS)}")
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    _at_least("--seeds", args.seeds, 1)
+    _at_least("--repeats", repeats, 1)
+    _at_least("--batch", batch, 0)
+    for t in temperatures:
+        Settings(temperature=t, record_top=args.record_top).validate()
     for p in policies:
         if p not in POLICIES or p == "fixed":
             raise ValueError(f"--policies: {p!r} is not one of grow-shrink, expected")

@@ -69,6 +69,35 @@ class DistillConfig:
     data_file: str | None = None
     init: str | None = None
 
+    def validate(self, kind: str = "eagle") -> None:
+        """A ValueError naming the first setting no run of `kind` ("draft" or "eagle") can use; called before any
+        model work, so a bad setting does not surface minutes into making the data."""
+        whole = {"prompts": 2, "first_prompt": 0, "new_tokens": 1, "gen_batch": 1, "top_k": 1, "max_steps": 0,
+                 "batch": 1, "seed": 0}
+        whole |= ({"draft_vocab": 1, "ttt_steps": 1, "head_intermediate": 1} if kind == "eagle" else
+                  {"layers": 1, "hidden": 1, "heads": 1, "kv_heads": 1, "intermediate": 1})
+        for name, low in whole.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r} ({name}: {HELP[name]})")
+        reals = {"train_minutes": self.train_minutes, "lr": self.lr, "holdout": self.holdout}
+        reals |= {"gen_temperature": self.gen_temperature} if kind == "draft" else {
+            f"temperatures[{i}]": t for i, t in enumerate(self.temperatures)}
+        for name, value in reals.items():
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if kind == "eagle" and not self.temperatures:
+            raise ValueError("temperatures: give at least one (0: greedy)")
+        if kind == "draft" and self.gen_temperature == 0:
+            raise ValueError("gen_temperature must be > 0: the draft learns from sampled answers")
+        if self.holdout >= 1:
+            raise ValueError(f"holdout must be below 1, got {self.holdout}: nothing would be left to train on")
+        if self.train_minutes == 0 and self.max_steps == 0:
+            raise ValueError("training needs train_minutes > 0 or max_steps > 0")
+        if kind == "draft" and (self.hidden % self.heads or self.heads % self.kv_heads):
+            raise ValueError(f"the draft's width ({self.hidden}) must split into its heads ({self.heads}), and the "
+                             f"heads into key-value heads ({self.kv_heads})")
+
 
 HELP = {
     "prompts": "training prompts (a share is held out for the report)",
@@ -550,10 +579,11 @@ def _load_or_generate(cfg: DistillConfig, target, tokenizer, prompts: list[str],
     return [FeatureSample(**known[(p, float(t))]) for p in prompts for t in cfg.temperatures], seconds
 
 
-def _target_and_prompts(cfg: DistillConfig, progress: Progress):
+def _target_and_prompts(cfg: DistillConfig, kind: str, progress: Progress):
     """(device, target, tokenizer, vocabulary size, prompts): the target in the dtype that runs its output head
     faster at the generation batch's rows (on a CPU, measured: a decode step's choice may not hold for a batch);
     training is float32 or autocast (training_dtype)."""
+    cfg.validate(kind)
     prompts = load_prompts(cfg)  # a bad prompts file fails before any model work
     if len(prompts) < 2:
         raise ValueError("distillation needs at least 2 prompts")
@@ -564,6 +594,8 @@ def _target_and_prompts(cfg: DistillConfig, progress: Progress):
     progress(f"data: {why}")
     target, tokenizer = load_model(cfg.target, device, dtype, progress)
     vocab_size = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
+    if cfg.top_k > vocab_size:
+        raise ValueError(f"top_k ({cfg.top_k}) is more than the target's vocabulary ({vocab_size} tokens)")
     return device, target, tokenizer, vocab_size, prompts
 
 
@@ -571,7 +603,7 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
     """An EAGLE head for cfg.target (eagle.py): data from the target itself, training with the
     training-time test, held-out scores by draft position; saved with its report in cfg.out."""
     t0 = time.perf_counter()
-    device, target, tokenizer, vocab_size, prompts = _target_and_prompts(cfg, progress)
+    device, target, tokenizer, vocab_size, prompts = _target_and_prompts(cfg, "eagle", progress)
     samples, data_s = _load_or_generate(cfg, target, tokenizer, prompts, vocab_size, progress)
     per_prompt = len(cfg.temperatures)  # held out by prompt: no answer to a held-out prompt is trained on
     n_held = max(1, int(len(prompts) * cfg.holdout)) * per_prompt
@@ -622,7 +654,7 @@ def distill_eagle(cfg: DistillConfig, progress: Progress = print) -> dict:
 
 def distill(cfg: DistillConfig, progress: Progress = print) -> dict:
     """The whole recipe; saves the draft (bf16 safetensors, tokenizer, report) in cfg.out."""
-    device, target, tokenizer, vocab_size, prompts = _target_and_prompts(cfg, progress)
+    device, target, tokenizer, vocab_size, prompts = _target_and_prompts(cfg, "draft", progress)
     t0 = time.perf_counter()
     samples = generate_data(target, tokenizer, prompts, cfg, progress)
     data_s = time.perf_counter() - t0
