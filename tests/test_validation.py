@@ -112,6 +112,9 @@ DISTILL = ["distill", "--target", "offline", "--out", "x"]
         (["bench", "--gammas", "2,a"], "--gammas: expected comma-separated int values, got '2,a'"),
         (["bench", "--temperatures", "0,-1"], "temperature"),
         (["bench", "--batch", "-1"], "--batch must be at least 0"),
+        (["bench-page", "--threads", "0"], "--threads must be at least 1"),
+        (["bench-page", "--update-s", "nan"], "--update-s must be a number of seconds >= 0"),
+        (["bench-page", "--max-new-tokens", "0"], "max_new_tokens"),
         (["kernels", "--repeats", "0"], "--repeats must be at least 1"),
         (["bench-render", "--repeats", "0"], "--repeats must be at least 1"),
         (["generate", "--prompt", "hi", "--branch", "0"], "branch"),
@@ -131,13 +134,14 @@ DISTILL = ["distill", "--target", "offline", "--out", "x"]
 def test_every_command_rejects_bad_input_before_loading(monkeypatch, capsys, argv, message):
     """Each command checks its options before any model loads: a bad one is a one-line error (exit 2), not a
     traceback minutes into a run."""
-    from specviz.tools import distill
+    from specviz.tools import distill, pagebench
 
     def no_loading(*args, **kwargs):
         raise AssertionError("models were loaded for a bad request")
 
     monkeypatch.setattr(cli, "load_pair", no_loading)
     monkeypatch.setattr(distill, "load_model", no_loading)
+    monkeypatch.setattr(pagebench, "page_runs", no_loading)
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
@@ -151,6 +155,16 @@ def test_trace_path_is_checked_before_the_run(monkeypatch, capsys, tmp_path):
     with pytest.raises(AssertionError, match="loaded"):  # got as far as loading: the path was accepted
         cli.main(["generate", "--prompt", "hi", "--trace", str(tmp_path / "new" / "run.json")])
     assert (tmp_path / "new").is_dir()
+
+
+@pytest.mark.slow
+def test_an_app_that_stops_before_serving_says_why():
+    """bench-page's app, stopped by a bad setting at start-up: the error carries the app's own line, not a bare
+    "did not start"."""
+    from specviz.tools import pagebench
+
+    with pytest.raises(RuntimeError, match="SPECVIZ_QUEUE_SIZE must be a whole number of at least 1, got '0'"):
+        pagebench._serve({"SPECVIZ_QUEUE_SIZE": "0"}, progress=lambda m: None)
 
 
 def test_distill_config_validate():

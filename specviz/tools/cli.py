@@ -303,6 +303,13 @@ def cmd_bench_page(args: argparse.Namespace) -> int:
     from .pagebench import page_runs, table
 
     _at_least("--runs", args.runs, 1)
+    if args.threads is not None:
+        _at_least("--threads", args.threads, 1)
+    for option, value in (("--update-s", args.update_s), ("--charts-s", args.charts_s)):
+        if value is not None and not value >= 0:  # NaN too
+            raise ValueError(f"{option} must be a number of seconds >= 0, got {value}")
+    if args.max_new_tokens is not None:
+        Settings(max_new_tokens=args.max_new_tokens).validate()
     rows = page_runs(args.prompt, args.runs, args.max_new_tokens, args.threads, args.update_s, args.charts_s,
                      lambda m: print(m, file=sys.stderr, flush=True))
     print(table(rows))

@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -52,10 +53,13 @@ def _free_port() -> int:
 
 
 def _serve(env: dict[str, str], progress: Progress) -> tuple[subprocess.Popen, str]:
+    """The app started as `python app.py` with `env` added; its output goes to a temporary file, whose last
+    lines say why where it stops (or hangs) before serving."""
     port = _free_port()
-    app = subprocess.Popen([sys.executable, str(APP)], cwd=APP.parent, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.STDOUT, env={**os.environ, **env, "GRADIO_SERVER_NAME": "127.0.0.1",
-                                                          "GRADIO_SERVER_PORT": str(port)})
+    log = tempfile.TemporaryFile()
+    app = subprocess.Popen([sys.executable, str(APP)], cwd=APP.parent, stdout=log, stderr=subprocess.STDOUT,
+                           env={**os.environ, **env, "GRADIO_SERVER_NAME": "127.0.0.1",
+                                "GRADIO_SERVER_PORT": str(port)})
     url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + 600
     progress("starting the app (loading, and on a first start measuring this machine's kernels)...")
     while time.monotonic() < deadline and app.poll() is None:
@@ -65,7 +69,11 @@ def _serve(env: dict[str, str], progress: Progress) -> tuple[subprocess.Popen, s
         except OSError:
             time.sleep(0.5)
     app.kill()
-    raise RuntimeError("the app did not start serving (run `python app.py` to see why)")
+    app.wait()
+    log.seek(0)
+    said = log.read().decode(errors="replace").strip().splitlines()[-3:]
+    log.close()
+    raise RuntimeError("the app did not start serving; its last words: " + (" | ".join(said) or "none"))
 
 
 # Watches the status line from before a click: the run under way once a line says neither "done" nor "Error",
