@@ -151,7 +151,7 @@ def test_local_mode_custom_pair_with_mismatched_tokenizers(local_app, pattern_di
     assert "sv-error" in status and "do not share a tokenizer" in status
     status = status_of(client, args(preset="custom (enter ids below)", target=str(tmp_path / "nothing-here"),
                                     draft=str(tmp_path / "nor-here")))
-    assert "sv-error" in status and "could not load model" in status
+    assert "sv-error" in status and "no model folder at" in status
     assert "done: 4 tokens" in status_of(client, args(max_new_tokens=4))
 
 

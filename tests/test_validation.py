@@ -55,8 +55,21 @@ def test_unknown_preset_and_model():
         load_pair("a", "b", preset="offline")
 
 
+def test_a_missing_folder_is_named_before_any_model_loads(monkeypatch, tmp_path):
+    from specviz.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ValueError, match="holds no EAGLE head"):
+        load_pair(preset="offline", head=str(tmp_path / "no-head"), device="cpu", dtype="float32")
+    for ref in (str(tmp_path / "no-model"), "./no-model", "~/no-model"):
+        with pytest.raises(ValueError, match=f"no model folder at {re.escape(ref)}"):
+            resolve_model_path(ref)
+    assert resolve_model_path("org/model-name") == "org/model-name"  # a hub id is left to the hub
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+
+
 def test_missing_local_model_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match="could not load model"):
+    with pytest.raises(ValueError, match="no model folder at .*missing-target"):
         load_pair(str(tmp_path / "missing-target"), str(tmp_path / "missing-draft"), device="cpu", dtype="float32")
 
 
@@ -115,6 +128,7 @@ DISTILL = ["distill", "--target", "offline", "--out", "x"]
         (["bench-page", "--threads", "0"], "--threads must be at least 1"),
         (["bench-page", "--update-s", "nan"], "--update-s must be a number of seconds >= 0"),
         (["bench-page", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["check", "--only", "nosuch"], "no case's name contains 'nosuch'"),
         (["kernels", "--repeats", "0"], "--repeats must be at least 1"),
         (["bench-render", "--repeats", "0"], "--repeats must be at least 1"),
         (["generate", "--prompt", "hi", "--branch", "0"], "branch"),

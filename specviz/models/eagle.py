@@ -118,6 +118,16 @@ def _rope_table(head_dim: int, theta: float, length: int, device: torch.device,
     return tuple(t.to(dtype) for t in _rope(torch.arange(length, device=device), head_dim, theta))
 
 
+def check_head_folder(folder: str | Path) -> Path:
+    """`folder` if it holds a head's config; else a ValueError saying how to make one (cheap: asked before any
+    model loads)."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        raise ValueError(f"{folder} holds no EAGLE head ({CONFIG_FILE} missing); make one with "
+                         f"`python -m specviz distill --kind eagle`")
+    return folder
+
+
 class EagleHead(nn.Module):
     """The trainable weights; the target's embedding and output rows are bound, not owned."""
 
@@ -178,10 +188,7 @@ class EagleHead(nn.Module):
     @classmethod
     def load(cls, folder: str | Path, target: PreTrainedModel, vocab_size: int) -> EagleHead:
         """The head in `folder`, in the target's dtype and device, bound to the target."""
-        folder = Path(folder)
-        if not (folder / CONFIG_FILE).is_file():
-            raise ValueError(f"{folder} holds no EAGLE head ({CONFIG_FILE} missing); make one with "
-                             f"`python -m specviz distill --kind eagle`")
+        folder = check_head_folder(folder)
         head = cls(HeadConfig(**json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))))
         head.load_state_dict(load_file(str(folder / WEIGHTS_FILE)))
         head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)

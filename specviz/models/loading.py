@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from . import kernels
 from .cachedir import cache_root, locked
-from .eagle import EagleHead
+from .eagle import EagleHead, check_head_folder
 from .leanllama import LeanLlama
 
 OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
@@ -297,7 +297,9 @@ def resolve_model_path(ref: str, progress: Progress = _quiet) -> str:
         return str(OFFLINE_MODELS[ref](progress))
     if ref.startswith("offline:"):
         raise ValueError(f"unknown offline model {ref!r}; known: {', '.join(OFFLINE_MODELS)}")
-    return ref
+    if ref.startswith(("/", "./", "../", "~")) and not Path(ref).expanduser().is_dir():  # a path, not a hub id
+        raise ValueError(f"no model folder at {ref}: a local model is a directory with config.json and weights")
+    return str(Path(ref).expanduser()) if ref.startswith("~") else ref
 
 
 def load_model(ref: str, device: torch.device, dtype: torch.dtype, progress: Progress = _quiet,
@@ -402,6 +404,8 @@ def load_pair(
         head = head or chosen.head or None
     if not target or not draft:
         raise ValueError("a pair needs both a target and a draft model (or a preset)")
+    if head and head != OFFLINE_HEAD:
+        check_head_folder(head)  # before the models load
     dev = resolve_device(device)
     measure = dtype == "auto" and dev.type == "cpu"
     dt, dtype_why = resolve_dtype(dtype, dev, head_shape(target, progress) if measure else None, progress)

@@ -634,9 +634,11 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
-    from .check import check, report_line
+    from .check import cases, check, report_line
 
     Settings(max_new_tokens=args.max_new_tokens).validate()
+    if not any(args.only in c.name for c in cases(compiled=True)):  # every case there can be, before loading
+        raise ValueError(f"no case's name contains {args.only!r}; names look like {cases(compiled=True)[-1].name!r}")
     preset = _preset(args)
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, head=args.head,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
