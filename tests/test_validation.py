@@ -216,3 +216,19 @@ def test_every_option_of_every_command_says_what_it_does():
     bare = [f"{name} {action.option_strings[-1]}" for name, parser in commands.items() for action in parser._actions
             if action.option_strings and not (action.help or "").strip()]
     assert bare == []
+
+
+def test_an_unwritable_cache_falls_back_to_a_temporary_folder_and_says_so(monkeypatch, tmp_path, caplog):
+    """A read-only home or a bad SPECVIZ_CACHE: the cache moves to the system's temporary folder, with a warning
+    naming both, instead of a traceback at the first model conversion or kernel table."""
+    from specviz.models import cachedir
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(cachedir.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "a-file" / "cache"))
+    with caplog.at_level("WARNING", logger="specviz"):
+        root = cachedir.cache_root()
+    assert root.parent == tmp_path / "tmp" and root.is_dir()
+    assert f"cannot keep its cache in {tmp_path / 'a-file' / 'cache'}" in caplog.text and str(root) in caplog.text
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "fine"))
+    assert cachedir.cache_root() == tmp_path / "fine" and (tmp_path / "fine").is_dir()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,10 +15,31 @@ try:
 except ImportError:  # Windows: no advisory locks here; concurrent starts then do the work twice
     fcntl = None
 
+log = logging.getLogger("specviz")
+
 
 def cache_root() -> Path:
-    """SPECVIZ_CACHE, default ~/.cache/specviz."""
-    return Path(os.environ.get("SPECVIZ_CACHE", Path.home() / ".cache" / "specviz"))
+    """SPECVIZ_CACHE, default ~/.cache/specviz; where that cannot be written (a read-only home, a bad
+    SPECVIZ_CACHE), a folder under the system's temporary one, said once: a start then works, and makes again
+    what a writable cache would have kept."""
+    asked = Path(os.environ.get("SPECVIZ_CACHE", "") or Path.home() / ".cache" / "specviz")
+    return _usable(asked)
+
+
+@functools.lru_cache(maxsize=8)
+def _usable(asked: Path) -> Path:
+    try:
+        asked.mkdir(parents=True, exist_ok=True)
+        if os.access(asked, os.W_OK | os.X_OK):
+            return asked
+        why = "not writable"
+    except OSError as err:
+        why = err.strerror or str(err)
+    instead = Path(tempfile.gettempdir()) / f"specviz-cache-{getattr(os, 'getuid', lambda: 'user')()}"
+    instead.mkdir(parents=True, exist_ok=True)
+    log.warning("specviz cannot keep its cache in %s (%s); using %s instead (set SPECVIZ_CACHE to a writable "
+                "folder to keep it across restarts)", asked, why, instead)
+    return instead
 
 
 @contextlib.contextmanager
