@@ -44,6 +44,39 @@ def test_closing_the_stream_cancels_between_rounds(pattern_pair):
         next(updates)
 
 
+def test_ctrl_c_in_the_command_line_keeps_the_rounds_run_so_far(pattern_dirs, pattern_pair, tmp_path, monkeypatch,
+                                                                 capsys):
+    """Ctrl-C during `generate`: no traceback; the stream is closed, the whole rounds so far are summed up and
+    saved to --trace, and the exit code is 130 (as a shell's for SIGINT)."""
+    from specviz.tools import cli
+
+    closed = []
+
+    def interrupted_after_three_rounds(*args, **kwargs):
+        updates = stream(*args, **kwargs)
+        try:
+            for i, update in enumerate(updates):
+                if i == 3:
+                    raise KeyboardInterrupt
+                yield update
+        finally:
+            updates.close()
+            closed.append(True)
+
+    monkeypatch.setattr(cli, "stream", interrupted_after_three_rounds)
+    target, draft = pattern_dirs("llama")
+    trace = tmp_path / "stopped.json"
+    argv = ["generate", "--target", str(target), "--draft", str(draft), "--no-chat-template", "--dtype", "float32",
+            "--prompt", "w2 w3 w4", "--gamma", "2", "--max-new-tokens", "40", "--trace", str(trace), "--color", "never"]
+    assert cli.main(argv) == 130
+    out = capsys.readouterr().out
+    (run,) = load_runs(trace)
+    assert closed == [True] and len(run.events) == 4 and 4 <= run.n_tokens < 40  # 3 shown, the 4th made whole
+    assert "stopped (Ctrl-C)" in out and f"speculative: {run.n_tokens} tokens in" in out
+    whole = generate(pattern_pair("llama"), "", Settings(gamma=2, max_new_tokens=40), prompt_ids=run.meta.prompt_ids)
+    assert run.token_ids == whole.token_ids[: run.n_tokens]  # the stopped run is the whole run's beginning
+
+
 def test_stream_batch_yields_one_update_per_round(pattern_pair):
     pair = pattern_pair("llama")
     *rounds, last = stream_batch(pair, ["w2 w3", "w30 w31 w32"], Settings(gamma=2, max_new_tokens=10),

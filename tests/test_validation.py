@@ -232,3 +232,12 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_folder_and_says_so(monkey
     assert f"cannot keep its cache in {tmp_path / 'a-file' / 'cache'}" in caplog.text and str(root) in caplog.text
     monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path / "fine"))
     assert cachedir.cache_root() == tmp_path / "fine" and (tmp_path / "fine").is_dir()
+
+
+def test_ctrl_c_outside_a_run_is_a_line_not_a_traceback(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_pair", interrupted)
+    assert cli.main(["generate", "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "stopped (Ctrl-C)"

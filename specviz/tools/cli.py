@@ -32,7 +32,7 @@ from ..core.kvcache import CACHE_KINDS
 from ..core.schedules import POLICIES
 from ..models.loading import PRESETS, Preset, encode_prompt, load_pair
 from ..view.rendering import batch_summary, first_difference, legend, round_text, run_text, slower_note, summary
-from .stream import Finished, RoundDone, stream
+from .stream import Finished, stream
 
 PAIR_HELP = "a model pair (default: %(default)s)"
 
@@ -174,12 +174,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if pair.draft_note and settings.drafter == "model":
         print(f"note: {pair.draft_note}", file=out)
     print(f"legend: {legend(colour)}\n", file=out)
-    for update in stream(pair, prompt, settings, compare=args.compare, prompt_ids=prompt_ids):
-        if isinstance(update, RoundDone) and update.run.meta.mode == "speculative":
-            out.write(round_text(update.event, colour))
-            out.flush()
-        elif isinstance(update, Finished):
-            runs, spec, base = update.runs, update.spec, update.base
+    runs, finished = _follow(stream(pair, prompt, settings, compare=args.compare, prompt_ids=prompt_ids), colour, out)
+    if finished is None:  # Ctrl-C: what ran is kept, shown and saved
+        for run in runs:
+            run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+        print("\n\nstopped (Ctrl-C); the rounds run so far:", file=out)
+        for run in runs:
+            print(summary(run), file=out)
+        if args.trace and runs:
+            save_runs(args.trace, runs)
+            print(f"trace of the stopped run saved to {args.trace}", file=out)
+        return 130
+    spec, base = finished.spec, finished.base
     print("\n\n" + summary(spec), file=out)
     if base is not None:
         print(summary(base), file=out)
@@ -201,6 +207,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         save_runs(args.trace, runs)
         print(f"trace saved to {args.trace}", file=out)
     return 0
+
+
+def _follow(updates, colour: bool, out) -> tuple[list, Finished | None]:
+    """Print the speculative run's rounds as they come; (the runs, the Finished update), or (the runs so far, None)
+    where Ctrl-C stopped them: the stream is closed, and a run keeps its whole rounds."""
+    runs: list = []
+    try:
+        for update in updates:
+            if isinstance(update, Finished):
+                return update.runs, update
+            if not runs or runs[-1] is not update.run:
+                runs.append(update.run)
+            if update.run.meta.mode == "speculative":
+                out.write(round_text(update.event, colour))
+                out.flush()
+    except KeyboardInterrupt:
+        updates.close()
+    return runs, None
 
 
 def _pair_line(pair, settings: Settings) -> str:
@@ -691,3 +715,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nstopped (Ctrl-C)", file=sys.stderr)
+        return 130
