@@ -295,6 +295,9 @@ if __name__ == "__main__":
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on the console
     log.setLevel(logging.INFO)  # and its progress (loading, measuring this machine's kernels and costs)
     log.info(share_the_cores())  # before any model work: the kernel table and costs are per thread count
-    warm_up()
+    try:
+        warm_up()
+    except KeyboardInterrupt:  # Ctrl-C while loading or measuring: a line, not a traceback
+        raise SystemExit("stopped (Ctrl-C) before the app started") from None
     launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

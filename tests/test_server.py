@@ -224,3 +224,23 @@ def test_memory_stays_flat_over_fifteen_runs(local_app):
     print(f"\nmemory: RSS {after_3 / 1024:.0f} MiB after 3 runs, {after_15 / 1024:.0f} MiB after 15 "
           f"({(after_15 - after_3) / after_3:+.1%})")
     assert after_15 <= 1.10 * after_3
+
+
+def test_ctrl_c_while_the_app_loads_is_a_line_not_a_traceback():
+    """`python app.py` stopped by Ctrl-C before it serves (loading, measuring this machine): it exits with one
+    line saying so."""
+    import signal
+
+    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(free_port())}
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    said = []
+    for line in proc.stdout:  # the first model work under way
+        said.append(line)
+        if line.startswith("loading "):
+            break
+    proc.send_signal(signal.SIGINT)
+    said.append(proc.stdout.read())
+    assert proc.wait(timeout=60) != 0
+    text = "".join(said)
+    assert "Traceback" not in text and text.rstrip().endswith("stopped (Ctrl-C) before the app started")
