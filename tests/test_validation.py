@@ -197,7 +197,6 @@ def test_distill_config_validate():
         ("eagle", dict(temperatures=(0.0, float("nan"))), "temperatures[1]"),
         ("eagle", dict(train_minutes=float("inf")), "train_minutes"),
         ("eagle", dict(holdout=1.0), "holdout"),
-        ("draft", dict(lr=0.0), "lr must be > 0"),
         ("draft", dict(kv_heads=0), "kv_heads"),
         ("draft", dict(heads=4, kv_heads=3), "key-value heads"),
     ]:

@@ -90,8 +90,6 @@ class DistillConfig:
             raise ValueError("temperatures: give at least one (0: greedy)")
         if kind == "draft" and self.gen_temperature == 0:
             raise ValueError("gen_temperature must be > 0: the draft learns from sampled answers")
-        if self.lr == 0:
-            raise ValueError("lr must be > 0: at 0 training changes nothing")
         if self.holdout >= 1:
             raise ValueError(f"holdout must be below 1, got {self.holdout}: nothing would be left to train on")
         if self.train_minutes == 0 and self.max_steps == 0:
