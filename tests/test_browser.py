@@ -407,6 +407,15 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         browser.close()
 
 
+def test_cpu_seconds_between_readings_never_count_a_process_that_ended():
+    """A browser process that exits between two readings once made the browser's share negative."""
+    from specviz.tools.pagebench import spent
+
+    before = {10: ("app", 5.0), 20: ("browser", 3.0), 30: ("browser", 9.0)}
+    after = {10: ("app", 5.5), 20: ("browser", 3.25), 40: ("browser", 0.5)}  # 30 ended, 40 started
+    assert spent(before, after) == {"app": 0.5, "browser": 0.75}
+
+
 def test_bench_page_reads_the_speedup_the_page_shows_and_who_spent_the_cpu(capsys):
     """`bench-page` serves the app as `python app.py` does, presses Run in Chromium and reads the page's status
     line: the speedup and both tokens/s, with the CPU-seconds of the server and of the browser (Linux)."""

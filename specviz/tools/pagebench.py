@@ -29,20 +29,36 @@ READ = ("speedup", "spec_tps", "base_tps")  # what SPEEDUP reads from the page's
 Progress = Callable[[str], None]
 
 
-def cpu_seconds(app_pid: int) -> dict[str, float] | None:
-    """CPU-seconds so far of the app (its process) and of every Chromium process; None without /proc."""
+def cpu_seconds(app_pid: int) -> dict[int, tuple[str, float]] | None:
+    """pid -> ("app" or "browser", CPU-seconds so far) for the app's process and the Chromium processes this
+    process started (not another program's browser); None without /proc."""
     if not Path("/proc/self/stat").exists():
         return None
-    tick, out = os.sysconf("SC_CLK_TCK"), {"app": 0.0, "browser": 0.0}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    tick, parent, seen = os.sysconf("SC_CLK_TCK"), {}, {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        who = "app" if int(pid) == app_pid else "browser" if "chrom" in cmd else None
-        if who:
-            out[who] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        parent[pid] = int(fields[1])
+        seen[pid] = ("chrom" in cmd, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+
+    def ours(pid: int) -> bool:
+        while pid > 1 and pid != os.getpid():
+            pid = parent.get(pid, 0)
+        return pid == os.getpid()
+
+    return {pid: ("app" if pid == app_pid else "browser", secs) for pid, (chrome, secs) in seen.items()
+            if pid == app_pid or (chrome and ours(pid))}
+
+
+def spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU-seconds between two readings, by "app" and "browser": a process that ended meanwhile is left out (its
+    last seconds are lost, never counted below zero), one that started counts whole."""
+    out = {"app": 0.0, "browser": 0.0}
+    for pid, (who, secs) in after.items():
+        out[who] += secs - before.get(pid, (who, 0.0))[1]
     return out
 
 
@@ -133,8 +149,9 @@ def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, 
                 if "done" not in status:
                     raise RuntimeError(f"run {i + 1} ended with: {status}")
                 read = [float(x) for x in found.groups()] if (found := SPEEDUP.search(status)) else [None] * 3
+                cpu = spent(before, after) if after is not None else {}
                 rows.append({"run": i + 1, "status": status, "wall_s": wall, **dict(zip(READ, read, strict=True)),
-                             **({f"{k}_cpu_s": after[k] - before[k] for k in after} if before and after else {})})
+                             **{f"{k}_cpu_s": v for k, v in cpu.items()}})
                 progress(f"run {i + 1}: {status}")
                 time.sleep(1)
             browser.close()
