@@ -55,6 +55,22 @@ def test_the_table_is_measured_once_stored_and_read_back(fresh_tables):
     assert kernels.table(torch.float32, retune=True).times == {}  # retune starts empty
 
 
+def test_a_start_stopped_while_measuring_keeps_the_shapes_it_measured(fresh_tables, monkeypatch):
+    real, timed = kernels._time_cells, []
+
+    def stopped_at_the_second_shape(weights, *args):
+        if timed:
+            raise KeyboardInterrupt
+        timed.append(kernels.shape_key(weights[0]))
+        return real(weights, *args)
+
+    monkeypatch.setattr(kernels, "_time_cells", stopped_at_the_second_shape)
+    with pytest.raises(KeyboardInterrupt):
+        kernels.tune([torch.randn(96, 64), torch.randn(48, 64)])
+    kernels._TABLES.clear()  # the next start reads what was stored
+    assert list(kernels.table(torch.float32).times) == timed == ["96x64"]
+
+
 def test_every_timed_sweep_reads_its_weights_from_memory(monkeypatch):
     """The caches are evicted before each sweep (warm-up and repeats, every path and row count), so a cell
     times what a decode pays: weights streamed from memory, not the few of one shape left in cache. The

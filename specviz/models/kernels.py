@@ -514,10 +514,10 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
                 t.busy.pop(shape, None)
                 if share is not None:
                     t.busy[shape] = round(share, 3)
+                t.save()  # each shape as it is done: a start stopped part way keeps what it measured
                 say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)"
                     + (f"; timed while {contention.took(share)}, so the next start times it again"
                        if share is not None and share > contention.BUSY else ""))
-            t.save()
 
 
 def _add_stored(t: KernelTable) -> None:
