@@ -77,6 +77,20 @@ def test_ctrl_c_in_the_command_line_keeps_the_rounds_run_so_far(pattern_dirs, pa
     assert run.token_ids == whole.token_ids[: run.n_tokens]  # the stopped run is the whole run's beginning
 
 
+def test_a_reader_that_leaves_ends_the_command_quietly(pattern_dirs):
+    """`python -m specviz generate ... | head -2`: the pipe closes while rounds are printed; the command stops with
+    141 (as for SIGPIPE) and no BrokenPipeError traceback."""
+    target, draft = pattern_dirs("llama")
+    proc = subprocess.Popen([sys.executable, "-m", "specviz", "generate", "--target", str(target), "--draft",
+                             str(draft), "--no-chat-template", "--dtype", "float32", "--prompt", "w2 w3 w4",
+                             "--max-new-tokens", "200", "--color", "never"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()  # the first line, then the reader leaves
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err
+
+
 def test_stream_batch_yields_one_update_per_round(pattern_pair):
     pair = pattern_pair("llama")
     *rounds, last = stream_batch(pair, ["w2 w3", "w30 w31 w32"], Settings(gamma=2, max_new_tokens=10),

@@ -718,3 +718,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nstopped (Ctrl-C)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the output's reader left (`| head`): stop quietly, as other commands do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush does not fail
+        return 141  # 128 + SIGPIPE
