@@ -689,6 +689,11 @@ def generate_batch(pair: ModelPair, prompts: list[str], settings: Settings, chat
     for round_events in decode(pair, prompts_ids, settings, mode, [r.meta for r in runs]):
         for row, event in round_events:
             runs[row].events.append(event)
+    return with_texts(pair, runs)
+
+
+def with_texts(pair: ModelPair, runs: list[Run]) -> list[Run]:
+    """The runs, each with its generated text decoded (whole or stopped part way)."""
     for run in runs:
         run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
     return runs

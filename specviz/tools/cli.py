@@ -27,6 +27,7 @@ from ..core.generator import (
     generate,
     machine_name,
     validate_prompt,
+    with_texts,
 )
 from ..core.kvcache import CACHE_KINDS
 from ..core.schedules import POLICIES
@@ -176,8 +177,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"legend: {legend(colour)}\n", file=out)
     runs, finished = _follow(stream(pair, prompt, settings, compare=args.compare, prompt_ids=prompt_ids), colour, out)
     if finished is None:  # Ctrl-C: what ran is kept, shown and saved
-        for run in runs:
-            run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+        with_texts(pair, runs)
         print("\n\nstopped (Ctrl-C); the rounds run so far:", file=out)
         for run in runs:
             print(summary(run), file=out)
@@ -474,8 +474,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     fields["target"] = OFFLINE_TARGET if args.target == "offline" else args.target
     fields["chat_template"] = not args.no_chat_template
     fields["temperatures"] = tuple(_csv(args.temperatures, float, "--temperatures"))
-    cfg = DistillConfig(**fields)
-    cfg.validate(args.kind)
+    cfg = DistillConfig(**fields)  # checked by distill and distill_eagle before any model work
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.kind == "eagle":
         report = distill_eagle(cfg, progress=progress)
@@ -661,8 +660,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .check import cases, check, report_line
 
     Settings(max_new_tokens=args.max_new_tokens).validate()
-    if not any(args.only in c.name for c in cases(compiled=True)):  # every case there can be, before loading
-        raise ValueError(f"no case's name contains {args.only!r}; names look like {cases(compiled=True)[-1].name!r}")
+    every = cases(compiled=True)  # every case there can be, before loading
+    if not any(args.only in c.name for c in every):
+        raise ValueError(f"no case's name contains {args.only!r}; names look like {every[-1].name!r}")
     preset = _preset(args)
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, head=args.head,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.events import RoundEvent, Run, save_trace
-from ..core.generator import Settings, decode, encode_prompts, new_runs
+from ..core.generator import Settings, decode, encode_prompts, new_runs, with_texts
 from ..models.loading import ModelPair
 
 
@@ -81,8 +81,7 @@ class _Clock:
 
 
 def _finish(pair: ModelPair, runs: list[Run], stopped: str, trace_dir: str | Path | None) -> Finished:
-    for run in runs:
-        run.text = pair.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+    with_texts(pair, runs)
     return Finished(runs, stopped, save_trace(trace_dir, runs) if trace_dir else None)
 
 
