@@ -11,7 +11,7 @@ from conftest import words
 from specviz.core.generator import Settings, generate
 from specviz.models import kernels
 from specviz.models.loading import SHIPPED_HEAD, load_pair
-from specviz.tools import cli
+from specviz.tools import cli, distill
 from specviz.tools.distill import HELP, DistillConfig, load_prompts, training_dtype
 from specviz.tools.prompts import BENCHMARK_PROMPTS, RINGS, TEMPLATES, TOPICS, training_prompts
 
@@ -116,3 +116,23 @@ def test_training_autocasts_only_where_a_measured_training_step_is_faster(monkey
     monkeypatch.setattr(kernels, "compare_dtypes", lambda *a, **k: pytest.fail("asked the decode step's table"))
     dtype, why = training_dtype(cpu, 32, 64)
     assert "32x64 training product" in why and dtype in (torch.float32, torch.bfloat16)
+
+
+def test_fewer_prompts_than_asked_are_named_before_any_model_work(tmp_path):
+    """Asking for more prompts than the built-in set or a file holds makes less data than asked: said with the
+    numbers, before the target loads (the target named here does not exist)."""
+    (tmp_path / "p.txt").write_text("\n".join(f"Prompt {i}." for i in range(5)))
+    said = []
+    for cfg, line in ((DistillConfig("/nowhere", "o", prompts_file=str(tmp_path / "p.txt"), prompts=8),
+                       f"data: 5 prompts, not 8: {tmp_path / 'p.txt'} holds 5 ("),
+                      (DistillConfig("/nowhere", "o", prompts_file=str(tmp_path / "p.txt"), prompts=8, first_prompt=2),
+                       f"data: 3 prompts, not 8: {tmp_path / 'p.txt'} holds 3 from prompt 2 on ("),
+                      (DistillConfig("/nowhere", "o", prompts=30_000), "data: 20639 prompts, not 30000: the built-in")):
+        said.clear()
+        with pytest.raises(ValueError, match="no model folder at /nowhere"):  # the note came before loading
+            distill._target_and_prompts(cfg, "eagle", said.append)
+        assert any(s.startswith(line) for s in said), said
+    said.clear()
+    with pytest.raises(ValueError, match="no model folder"):
+        distill._target_and_prompts(DistillConfig("/nowhere", "o", prompts=4), "eagle", said.append)
+    assert not any("prompts, not" in s for s in said)
