@@ -39,8 +39,16 @@ def test_greedy_equals_baseline(pattern_pair, arch, gamma):
     assert spec.n_accepted > 0 and spec.n_rejected > 0
     kinds = Counter(e.extra.kind for e in spec.events if e.extra)
     assert kinds[CORRECTION] > 0
-    if gamma > 1:
-        assert spec.events[-1].gamma < gamma  # the last round drafted only what the budget allowed
+    # a round drafts at most what the budget leaves room for besides the target's own token
+    assert [e.gamma for e in spec.events] == [min(gamma, 29 - (e.tokens_so_far - len(e.new_tokens)) - 1)
+                                              for e in spec.events]
+    if gamma > 1:  # budgets ending inside a round: of any γ + 1 in a row, one leaves the last round less than γ
+        cut = False
+        for budget in range(29 - gamma, 29):
+            short = generate(pair, "", Settings(gamma=gamma, max_new_tokens=budget), prompt_ids=words(2, 3, 4))
+            assert short.token_ids == base.token_ids[:budget] and short.finish_reason == "length"
+            cut |= short.events[-1].gamma < gamma
+        assert cut
 
 
 @pytest.mark.parametrize("arch", ARCHS)
