@@ -6,6 +6,7 @@ import pytest
 
 from specviz.models import contention
 from specviz.tools import cli
+from specviz.tools.prompts import BENCHMARK_PROMPTS
 
 pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
 
@@ -88,3 +89,40 @@ def test_record_top_times_the_runs_as_the_page_records_them(pattern_pair, monkey
         bench_pair(pattern_pair("llama"), {"count": ["w1 w2 w3"]}, [2], [0.0], 6, 1, with_hf=False,
                    progress=lambda m: None, drafters=("model",), policies=(), record_top=record_top)
         assert {mode for mode, _ in seen} == {"speculative", "baseline"} and {top for _, top in seen} == {record_top}
+
+
+def test_a_stopped_bench_keeps_the_prompts_it_finished(pattern_pair, tmp_path, monkeypatch, capsys):
+    """bench writes results.json and results.md after each prompt, saying how far it got, so a run stopped (Ctrl-C,
+    a session's end) keeps its whole prompts; the finished run's files say nothing of the kind, and charts come
+    with the whole run only (an earlier run's are removed, not left beside this run's rows)."""
+    from specviz.tools import bench
+
+    real, prompts = bench.bench_pair, {"count": ["w1 w2 w3", "w4 w5 w6", "w7 w8 w9"]}
+
+    def two_then_stop(pair, _prompts, *args, kept=None, **kwargs):  # the small pair's prompts; Ctrl-C after two
+        def keep(rows, done):
+            kept(rows, done)
+            if done == 2:
+                raise KeyboardInterrupt
+        return real(pair, prompts, *args, kept=keep, **kwargs)
+
+    monkeypatch.setattr(cli, "load_pair", lambda **kwargs: pattern_pair("llama"))
+    monkeypatch.setattr(bench, "bench_pair", two_then_stop)
+    (tmp_path / "speedup.html").write_text("an earlier run's chart")
+    argv = ["bench", "--drafters", "model", "--gammas", "2", "--temperatures", "0", "--policies", "", "--batch", "0",
+            "--step-caches", "", "--no-hf", "--max-new-tokens", "6", "--repeats", "1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 130
+    n = sum(map(len, BENCHMARK_PROMPTS.values()))  # the command's own prompts, in its count
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["prompt"] for r in data["rows"]] == prompts["count"][:2]
+    assert data["stopped"] == f"2 of {n} prompts" and "**Not finished**: 2 of" in (tmp_path / "results.md").read_text()
+    assert not (tmp_path / "speedup.html").exists()
+    assert f"the rows of the 2 of {n} prompts done are in {tmp_path}" in capsys.readouterr().err
+
+    monkeypatch.setattr(bench, "bench_pair", lambda pair, _prompts, *args, **kwargs: real(pair, prompts, *args,
+                                                                                           **kwargs))
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["rows"]) == 3 and "stopped" not in data
+    assert "Not finished" not in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup.html").exists()

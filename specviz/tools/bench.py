@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from statistics import median
@@ -257,7 +258,8 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                drafters: tuple[str, ...] = ("model", "lookup"), lookup_gammas: list[int] | None = None,
                policies: tuple[str, ...] = ("grow-shrink", "expected"), cache: str = "static",
                compile: bool = False, eagle_gammas: list[int] | None = None, seeds: int = 1,
-               trees: list[tuple[int, int, int]] = (), record_top: int = 0) -> list[BenchRow]:
+               trees: list[tuple[int, int, int]] = (), record_top: int = 0,
+               kept: Callable[[list[BenchRow], int], None] | None = None) -> list[BenchRow]:
     """Per prompt and temperature, `repeats` blocks, each timing back to back: HF plain `generate`,
     specviz's baseline, then every setting (each drafter over its γ sweep with HF's assisted
     generation or prompt lookup at the same γ, then each adaptive policy with its defaults).
@@ -266,7 +268,8 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     row each: two drafters decode different samples, and a median over a few prompts' single
     samples says more about those texts than about the drafters. Each head drafter also runs every
     tree shape (γ, branch, nodes) in `trees`. record_top: the candidates specviz's runs (speculative and
-    baseline) record per position, as the app's do; 0 times the decode alone."""
+    baseline) record per position, as the app's do; 0 times the decode alone. kept(rows, prompts done) is called
+    after each prompt's rows, so a caller can keep them before a run is stopped."""
     from ..core.generator import generate
     from ..models.loading import encode_prompt
     from .syncs import SyncCounter
@@ -292,7 +295,7 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                                            record_top=record_top, drafter=drafter, cache=cache, compile=compile))
     generate(pair, first, Settings(max_new_tokens=8, record_top=record_top, cache=cache, compile=compile),
              mode="baseline")
-    rows = []
+    rows, done = [], 0
     for category, texts in prompts.items():
         for prompt in texts:
             prompt_ids = encode_prompt(pair.tokenizer, prompt)
@@ -326,6 +329,9 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                              f"α={_fmt(rows[-1].alpha)} tokens/round {rows[-1].tokens_per_round:.2f} "
                              f"speedup {rows[-1].speedup:.2f}x, vs the faster baseline "
                              f"{_fmt(rows[-1].speedup_vs_best)}x, {rows[-1].syncs_per_round:.1f} syncs/round")
+            done += 1
+            if kept is not None:
+                kept(rows, done)
     return rows
 
 
@@ -591,8 +597,9 @@ def environment(pair: ModelPair, others: float | None = None) -> dict:
 
 
 def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
-                  batch_rows: list[BatchRow] = (), steps: list[StepRow] = ()) -> dict[str, str]:
-    """results.json, results.md and speedup.html (+ speedup.png when chromium and playwright are here)."""
+                  batch_rows: list[BatchRow] = (), steps: list[StepRow] = (), stopped: str = "") -> dict[str, str]:
+    """results.json, results.md and speedup.html (+ speedup.png when chromium and playwright are here). stopped:
+    what a run still going has done (results.json and results.md only, each saying so)."""
     import json
     from dataclasses import asdict
     from pathlib import Path
@@ -600,13 +607,14 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "html": out / "speedup.html"}
-    paths["json"].write_text(json.dumps({"environment": env, "command": command, "rows": [asdict(r) for r in rows],
-                                         "batch": [asdict(b) for b in batch_rows],
+    partial = {"stopped": stopped} if stopped else {}
+    paths["json"].write_text(json.dumps({"environment": env, "command": command, **partial,
+                                         "rows": [asdict(r) for r in rows], "batch": [asdict(b) for b in batch_rows],
                                          "steps": [asdict(r) for r in steps]},
                                         indent=2), encoding="utf-8")
     env_line = ", ".join(f"{k} {v}" for k, v in env.items() if k != "kernels")  # the choices are in results.json
     paths["md"].write_text(
-        f"`{command}`\n\n{env_line}\n\n"
+        f"`{command}`\n\n{env_line}\n\n" + (f"**Not finished**: {stopped}.\n\n" if stopped else "")
         + (f"### Forward passes\n\n{step_table(steps)}\n" if steps else "")
         + f"### By setting\n\n{summary_by_setting(rows)}\n"
         + (f"### Chains and trees: tokens per round, acceptance by depth, speedup\n\n{tree_summary(rows)}\n"
@@ -616,6 +624,10 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
         f"### By prompt category (greedy)\n\n{category_summary(rows)}\n"
         + (f"### Batch against one after another (greedy)\n\n{batch_table(batch_rows)}\n" if batch_rows else "")
         + f"### Every run\n\n{markdown_table(rows)}", encoding="utf-8")
+    if stopped:  # the charts come with the whole run; an earlier run's would not be this one's
+        for chart in ("speedup.html", "speedup.png"):
+            (out / chart).unlink(missing_ok=True)
+        return {k: str(v) for k, v in paths.items() if k != "html"}
     fig = speedup_chart(rows).figure()
     fig.write_html(paths["html"], include_plotlyjs=True)
     try:  # PNG through a headless browser, where one is installed
