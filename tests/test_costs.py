@@ -275,3 +275,31 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
     contention._TIMED_HERE.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
     assert costs.first_run(pair, taus)[1] == again and len(timings) == 4
+
+
+def test_costs_kept_unmetered_are_timed_again_by_a_start_that_meters(pattern_pair, tmp_path, monkeypatch):
+    """Costs the test suite timed on the machine it loads (SPECVIZ_IGNORE_LOAD: kept as they came) serve processes
+    that do not meter either; a start that meters times them again, once, and says why."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(tmp_path))
+    monkeypatch.setattr(contention, "_TIMED_HERE", set())
+    monkeypatch.setattr(contention, "_stat_reads", lambda: True)
+    pair, taus = pattern_pair("llama"), {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}
+    timings = []
+    monkeypatch.setattr(costs, "forward_ms", lambda pair, ids, widths, repeats, compiled: timings.append(1) or {
+        k: 10.0 + len(timings) + k for k in widths})
+    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5))
+    monkeypatch.setenv("SPECVIZ_IGNORE_LOAD", "1")
+    _, kept = costs.first_run(pair, taus)
+    assert kept.busy is None and len(timings) == 1
+    contention._TIMED_HERE.clear()
+    assert costs.first_run(pair, taus)[1] == kept and len(timings) == 1  # another process ignoring the load
+    contention._TIMED_HERE.clear()
+    monkeypatch.delenv("SPECVIZ_IGNORE_LOAD")
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([0.0, 0.0]))
+    said = []
+    _, again = costs.first_run(pair, taus, said.append)
+    assert len(timings) == 2 and again.busy == 0.0 and again.forward_ms[1] == 13.0
+    assert any(m.startswith("the stored costs were timed without measuring the machine's load") for m in said)
+    contention._TIMED_HERE.clear()
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
+    assert costs.first_run(pair, taus)[1] == again and len(timings) == 2

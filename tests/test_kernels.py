@@ -154,6 +154,42 @@ def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tab
     assert "timed while" not in kernels.table_text(torch.float32)
 
 
+def test_a_table_kept_unmetered_is_timed_again_by_a_start_that_meters(fresh_tables, monkeypatch):
+    """The test suite keeps timings as they come (SPECVIZ_IGNORE_LOAD) on a machine it loads by design: such a
+    table serves processes that do not meter either, and a start that does times it again, once, saying why.
+    (A suite run with the user's cache folder had left an app on CPU B choosing from a table of that kind.)"""
+    from specviz.models import contention
+
+    timings = []
+
+    def cells(weights, paths, rows):
+        timings.append(len(timings))
+        return {str(r): {"linear": float(len(timings))} for r in rows}
+
+    monkeypatch.setattr(kernels, "_time_cells", cells)
+    monkeypatch.setattr(contention, "_TIMED_HERE", set())
+    monkeypatch.setattr(contention, "_stat_reads", lambda: True)  # a machine where the meter reads
+    monkeypatch.setenv("SPECVIZ_IGNORE_LOAD", "1")
+    w, said = torch.randn(96, 64), []
+    kernels.tune([w])
+    assert len(timings) == 1 and kernels.table(torch.float32).busy == {}
+    kernels.forget()
+    contention._TIMED_HERE.clear()  # another process that ignores the load: reads it
+    kernels.tune([w])
+    assert len(timings) == 1
+    kernels.forget()
+    contention._TIMED_HERE.clear()  # one that meters: times it again, and keeps the reading
+    monkeypatch.delenv("SPECVIZ_IGNORE_LOAD")
+    monkeypatch.setattr(contention, "others_meter", scripted_meters([0.0]))
+    kernels.tune([w], said.append)
+    assert len(timings) == 2 and kernels.table(torch.float32).busy == {"96x64": 0.0}
+    assert any(m.startswith("timing 96x64 again: they were timed without measuring the machine's load") for m in said)
+    kernels.forget()
+    contention._TIMED_HERE.clear()
+    kernels.tune([w])  # and the next reads it
+    assert len(timings) == 2
+
+
 def test_the_choice_is_the_fastest_at_the_nearest_timed_rows():
     t = kernels.KernelTable({}, "float32", {"8x8": {
         "1": {"linear": 1.0, "onednn": 2.0, "mkl": 0.5},

@@ -6,11 +6,13 @@ a round's costs, tools/costs.py), so one taken on a busy machine would steer eve
 meter while they time, take a timing again while it reads above BUSY (ATTEMPTS times at most, the quietest
 kept), keep what it read, and time again at the next start what was still timed busy. Elsewhere than Linux,
 and with SPECVIZ_IGNORE_LOAD=1 (a machine that is always shared, or the test suite, whose two workers and
-browsers load the machine by design), the meter reads None and timings are kept as they come.
+browsers load the machine by design), the meter reads None and timings are kept as they come; such an unmetered
+timing stands only for processes that do not meter either, so a start that does times it again, once.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -32,8 +34,34 @@ def took(share: float) -> str:
 
 def stands(busy: float | None, key: object) -> bool:
     """Whether a kept timing stands (busy: what the meter read while it was taken, None: unmetered): taken on a
-    quiet machine, or by this process (`timing`); a busy one is timed again, once a start."""
-    return busy is None or busy <= BUSY or key in _TIMED_HERE
+    quiet machine, or by this process (`timing`); a busy one is timed again, once a start. An unmetered one
+    stands only where this process cannot meter either: the test suite's timings, kept as they came on a machine
+    it loads, would otherwise steer every later start that shares its cache folder."""
+    if key in _TIMED_HERE:
+        return True
+    return not metered() if busy is None else busy <= BUSY
+
+
+def when(busy: float | None) -> str:
+    """How a timing was taken, in words, for one that is timed again (busy: as in `stands`)."""
+    if busy is None:
+        return "without measuring the machine's load (SPECVIZ_IGNORE_LOAD, as the test suite sets)"
+    return f"while {took(busy)}"
+
+
+def metered() -> bool:
+    """Whether this process reads the meter: where /proc/stat reads (Linux), unless SPECVIZ_IGNORE_LOAD is set."""
+    return os.environ.get("SPECVIZ_IGNORE_LOAD", "") in ("", "0") and _stat_reads()
+
+
+@functools.cache
+def _stat_reads() -> bool:
+    try:
+        os.sched_getaffinity(0)
+        with open("/proc/stat", encoding="ascii") as f:
+            return bool(f.read())
+    except (OSError, AttributeError):
+        return False
 
 
 def timing(key: object) -> None:
@@ -64,7 +92,7 @@ def others_meter() -> Callable[[], float | None]:
     """Start counting: the function returned gives the part of the CPU time our torch threads needed that other
     processes took since (`shortfall`; their busy CPU-seconds are every CPU's busy time in /proc/stat less
     ours), or None where /proc/stat is missing (not Linux) or SPECVIZ_IGNORE_LOAD is set."""
-    if os.environ.get("SPECVIZ_IGNORE_LOAD", "") not in ("", "0"):
+    if not metered():
         return lambda: None
     try:
         cpus = os.sched_getaffinity(0)

@@ -496,7 +496,9 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
             missing = {s: ws for s, ws in shapes.items() if not t.settled(s)}
             if not missing:
                 continue
-            if busy := [s for s in missing if s in t.times]:
+            if unmetered := [s for s in missing if s in t.times and s not in t.busy]:
+                say(f"timing {', '.join(unmetered)} again: they were timed {contention.when(None)}")
+            if busy := [s for s in missing if s in t.busy]:
                 say(f"timing {', '.join(busy)} again: other programs took more than {contention.BUSY:.0%} of the "
                     "CPU time specviz needed when they were timed")
             native.prepare(say)  # a first start compiles our kernels here: said, not silent

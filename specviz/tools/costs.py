@@ -247,7 +247,7 @@ def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = No
             return known
         if known is not None and not contention.stands(known.busy, file):
             if progress:
-                progress(f"the stored costs were timed while {contention.took(known.busy)}; timing them again...")
+                progress(f"the stored costs were timed {contention.when(known.busy)}; timing them again...")
             known = None
         contention.timing(file)
         return _measure(pair, drafters, trees, compiled, file, progress, known)
