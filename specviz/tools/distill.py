@@ -588,10 +588,9 @@ def _target_and_prompts(cfg: DistillConfig, kind: str, progress: Progress):
     if len(prompts) < 2:
         raise ValueError("distillation needs at least 2 prompts")
     if len(prompts) < cfg.prompts:  # more data then comes from more answers per prompt, or a prompts file
-        where = (f"{cfg.prompts_file} holds" if cfg.prompts_file else "the built-in set holds") + \
-            (f" {len(prompts)} from prompt {cfg.first_prompt} on" if cfg.first_prompt else f" {len(prompts)}")
-        progress(f"data: {len(prompts)} prompts, not {cfg.prompts}: {where} (more answers per prompt: "
-                 "--temperatures, --new-tokens)")
+        held = f"{len(prompts)} from prompt {cfg.first_prompt} on" if cfg.first_prompt else str(len(prompts))
+        progress(f"data: {len(prompts)} prompts, not {cfg.prompts}: {cfg.prompts_file or 'the built-in set'} holds "
+                 f"{held} (more answers per prompt: --temperatures, --new-tokens)")
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
     dtype, why = resolve_dtype("auto", device, head_shape(cfg.target, progress), progress,
