@@ -613,11 +613,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps = step_times(pair, first, step_caches, widths=tuple(widths), repeats=5 if args.quick else 30,
                            compile=args.compile)
         print(step_table(steps), file=sys.stderr)
-    n_prompts, kept = sum(map(len, prompts.values())), 0
+    n_prompts, prompts_kept = sum(map(len, prompts.values())), 0
 
     def keep(rows_so_far: list, done: int) -> None:  # each prompt's rows on disk: a stopped run keeps them
-        nonlocal kept
-        kept = done
+        nonlocal prompts_kept
+        prompts_kept = done
         if done < n_prompts:
             write_results(rows_so_far, environment(pair, taken()), args.out, command, steps=steps,
                           stopped=f"{done} of {n_prompts} prompts")
@@ -629,8 +629,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           compile=args.compile, eagle_gammas=eagle_gammas, seeds=args.seeds, trees=trees,
                           record_top=args.record_top, kept=keep)
     except KeyboardInterrupt:
-        if kept:
-            print(f"the rows of the {kept} of {n_prompts} prompts done are in {args.out}", file=sys.stderr)
+        if prompts_kept:
+            print(f"the rows of the {prompts_kept} of {n_prompts} prompts done are in {args.out}", file=sys.stderr)
         raise
     write_results(rows, environment(pair, taken()), args.out, command, steps=steps)  # kept if the batch part fails
     batch_rows = []
