@@ -9,7 +9,8 @@
    chains, the slowest to compute, and without the hint a bfloat16 output head of one row took 1.2x two rows'
    time on CPU B (AVX2; BENCHMARKS.md, "one row prefetches").
    Weights are float32 (specviz_gemm) or bfloat16 (specviz_gemm_bf16: half the bytes to stream, each
-   widened to float32 in registers, exactly; x, the sums and y stay float32).
+   widened to float32 in registers, exactly; x, the sums and y stay float32; a block's columns in the order
+   load16 widens them).
    Each output is the same k-ordered chain of FMAs whatever the number of rows, so a row's
    result never depends on the rows beside it. Blocks are shared among OpenMP threads (torch's
    runtime: the process loads one libgomp, and torch.set_num_threads sets its thread count).
@@ -46,11 +47,23 @@ INLINE void store_row(__m256 lo, __m256 hi, const float *b, float *y, int n, int
     _mm256_maskstore_ps(y + n0 + 8, keep_hi, hi);
 }
 
-/* The 16 weights of a block at k as two float32 vectors (bf16: a literal 0 or 1 where inlined). A
-   bfloat16 is the top half of a float32: zero-extend each to 32 bits and shift it up. */
-INLINE void load16(const void *wb, int bf16, int k, __m256 *w0, __m256 *w1)
+/* The 16 weights of a block at k as two float32 vectors (bf16: a literal 0 or 1 where inlined, rows a
+   constant). A bfloat16 is the top half of a float32. native.pack stores a bfloat16 block's columns as 0-3,
+   8-11, 4-7, 12-15, so that VPUNPCKLWD / VPUNPCKHWD with zeros, which put the low / high four words of each
+   128-bit lane into the top halves of float32s, widen them as columns 0-7 and 8-15: one instruction for 8
+   weights. Widening in column order instead (zero-extend across the lanes, then shift: 5 instructions for 16)
+   made a pass of 2-6 rows wait on those instructions, not on the FMAs: 1.2-1.4x the time (CPU B, BENCHMARKS.md,
+   "bfloat16 widened by unpacking"). A one-row pass waits on memory, and there the zero-extension timed faster
+   (a one-token forward ~5 % on CPU B), so one row keeps it: its sums come out as columns 0-3, 8-11 | 4-7, 12-15
+   and are put back in order once, before the store (`in_order`). Either way a weight is the same float32, so a
+   row's chain of FMAs is the same at every row count. */
+INLINE void load16(const void *wb, int bf16, int rows, int k, __m256 *w0, __m256 *w1)
 {
-    if (bf16) {
+    if (bf16 && rows > 1) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)wb + 16 * (size_t)k));
+        *w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw));
+        *w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw));
+    } else if (bf16) {
         __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)wb + 16 * (size_t)k));
         *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
         *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
@@ -58,6 +71,13 @@ INLINE void load16(const void *wb, int bf16, int k, __m256 *w0, __m256 *w1)
         *w0 = _mm256_loadu_ps((const float *)wb + 16 * (size_t)k);
         *w1 = _mm256_loadu_ps((const float *)wb + 16 * (size_t)k + 8);
     }
+}
+
+/* A one-row bfloat16 pass's sums (columns 0-3, 8-11 | 4-7, 12-15; load16) as columns 0-7 | 8-15. */
+INLINE void in_order(__m256 *lo, __m256 *hi)
+{
+    __m256 first = _mm256_permute2f128_ps(*lo, *hi, 0x20), second = _mm256_permute2f128_ps(*lo, *hi, 0x31);
+    *lo = first, *hi = second;
 }
 
 /* One pass of `rows` (1-6, a constant where it is inlined) rows over one block. The accumulators are
@@ -79,9 +99,11 @@ INLINE void rows_by_block(const float *x, const void *wb, const char *next, int 
     for (int k = 0; k < k_len; k++) {
         if (next) /* the next block, as much per k as this one reads, while this one computes */
             _mm_prefetch(next + line * k, _MM_HINT_T1);
-        load16(wb, bf16, k, &w0, &w1);
+        load16(wb, bf16, rows, k, &w0, &w1);
         ROW(0, a0, a1) ROW(1, b0, b1) ROW(2, c0, c1) ROW(3, d0, d1) ROW(4, e0, e1) ROW(5, f0, f1)
     }
+    if (bf16 && rows == 1)
+        in_order(&a0, &a1);
     STORE(0, a0, a1) STORE(1, b0, b1) STORE(2, c0, c1) STORE(3, d0, d1) STORE(4, e0, e1) STORE(5, f0, f1)
 }
 
@@ -126,7 +148,8 @@ void specviz_gemm_bf16(const float *x, const uint16_t *w, const float *b, float 
 /* The same kernel with AVX-512 (AVX512F): a block of 16 columns is one 512-bit register, so a pass keeps one
    accumulator per row and takes up to 12 rows (12 accumulators, the weights and a broadcast: 14 of the 32
    registers), twice the FMA width of the AVX2 kernel. Each output is the same k-ordered chain of FMAs as
-   there, so both kernels give the same bits. Compiled for AVX-512 function by function (the file is built
+   there, so both kernels give the same bits. Its bfloat16 blocks keep their columns in order: one zero-extend
+   across the register widens all 16 (native.pack). Compiled for AVX-512 function by function (the file is built
    with -mavx2): native.py calls these only where ATen itself runs its AVX-512 kernels. */
 #define INLINE512 static inline __attribute__((always_inline, target("avx512f")))
 #define KERNEL512 __attribute__((target("avx512f")))

@@ -107,8 +107,8 @@ def _mkl(packed, weight, bias, rows):
     return lambda x: linear(x, packed, weight, bias, rows)
 
 
-def _avx2_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    return native.pack(weight, torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32)
+def _avx2_pack(weight: torch.Tensor, rows: int, avx512: bool = False) -> torch.Tensor:
+    return native.pack(weight, torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32, avx512)
 
 
 def _native(avx512: bool) -> Callable[..., Callable[[torch.Tensor], torch.Tensor]]:
@@ -122,7 +122,7 @@ def _native(avx512: bool) -> Callable[..., Callable[[torch.Tensor], torch.Tensor
 
 def _avx512_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     native.wide()  # this CPU cannot run it: raise now, so the path is skipped before anything calls it
-    return _avx2_pack(weight, rows)
+    return _avx2_pack(weight, rows, avx512=True)
 
 
 def _pairs_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:

@@ -324,10 +324,20 @@ def _padded(weight: torch.Tensor, columns: int, k: int, dtype: torch.dtype) -> t
     return padded
 
 
-def pack(weight: torch.Tensor, as_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """weight [N, K] -> [ceil(N / 16), K, 16] in as_dtype (float32 or bfloat16), zero-padded columns."""
+# Where the AVX2 kernel reads a bfloat16 block's 16 columns: it widens the low and the high four words of each
+# 128-bit lane with one instruction each (gemm_avx2.c, load16), so columns 0-3, 8-11, 4-7, 12-15 stored in
+# that order come out as 0-7 and 8-15.
+UNPACK_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
+def pack(weight: torch.Tensor, as_dtype: torch.dtype = torch.float32, avx512: bool = False) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 16), K, 16] in as_dtype (float32 or bfloat16), zero-padded columns; a
+    bfloat16 block for the AVX2 kernel (not avx512) with its columns in UNPACK_ORDER."""
     k = weight.shape[1]
-    return _padded(weight, BLOCK, k, as_dtype).view(-1, BLOCK, k).transpose(1, 2).contiguous()
+    blocks = _padded(weight, BLOCK, k, as_dtype).view(-1, BLOCK, k)
+    if as_dtype == torch.bfloat16 and not avx512:
+        blocks = blocks[:, list(UNPACK_ORDER)]
+    return blocks.transpose(1, 2).contiguous()
 
 
 def wide() -> None:
