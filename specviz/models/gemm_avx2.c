@@ -52,11 +52,12 @@ INLINE void store_row(__m256 lo, __m256 hi, const float *b, float *y, int n, int
    8-11, 4-7, 12-15, so that VPUNPCKLWD / VPUNPCKHWD with zeros, which put the low / high four words of each
    128-bit lane into the top halves of float32s, widen them as columns 0-7 and 8-15: one instruction for 8
    weights. Widening in column order instead (zero-extend across the lanes, then shift: 5 instructions for 16)
-   made a pass of 2-6 rows wait on those instructions, not on the FMAs: 1.2-1.4x the time (CPU B, BENCHMARKS.md,
-   "bfloat16 widened by unpacking"). A one-row pass waits on memory, and there the zero-extension timed faster
-   (a one-token forward ~5 % on CPU B), so one row keeps it: its sums come out as columns 0-3, 8-11 | 4-7, 12-15
-   and are put back in order once, before the store (`in_order`). Either way a weight is the same float32, so a
-   row's chain of FMAs is the same at every row count. */
+   made a pass of 2-6 rows wait on those instructions, not on the FMAs: a bfloat16 forward of 5 tokens took 1.49
+   one-token steps, now 1.19-1.29 (CPU B, BENCHMARKS.md, "bfloat16 widened by unpacking"). A one-row pass waits
+   on memory, and there the zero-extension timed a little faster (a one-token forward, CPU B), so one row keeps
+   it: its sums come out as columns 0-3, 8-11 | 4-7, 12-15 and are put back in order once, before the store
+   (`in_order`). Either way a weight is the same float32, so a row's chain of FMAs is the same at every row
+   count. */
 INLINE void load16(const void *wb, int bf16, int rows, int k, __m256 *w0, __m256 *w1)
 {
     if (bf16 && rows > 1) {
