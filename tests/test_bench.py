@@ -1,10 +1,12 @@
 """`bench --quick`: the benchmark runs end to end and writes its files (no thresholds on timings)."""
 
 import json
+import shutil
 
 import pytest
 
 from specviz.models import contention
+from specviz.models.loading import SHIPPED_HEAD
 from specviz.tools import cli
 from specviz.tools.prompts import BENCHMARK_PROMPTS
 
@@ -12,9 +14,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
 
 
 def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
+    head = shutil.copytree(SHIPPED_HEAD, tmp_path / "another-head")  # --head: a head in place of the preset's
     assert cli.main(["bench", "--quick", "--drafters", "model,lookup+eagle", "--trees", "3x2:4", "--step-caches",
-                     "static", "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "results.json").read_text())
+                     "static", "--head", str(head), "--out", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["environment"]["head"] == "another-head"  # which head drafted, named in the record
     rows = data["rows"]
     # per prompt: the draft model and lookup-then-head at γ 3, each with the 'expected' policy, and the
     # head's tree 3 deep, 2 children per node, 4 drafts verified
@@ -52,12 +56,12 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
     # both offline models run the lean static forward, so their matrix products are timed alone too
     assert set(steps) == {(m, c) for m in ("target", "draft") for c in ("static", "matrix products alone")}
     assert all(ms["1"] > 0 and ms["5"] > 0 for ms in steps.values())
-    md = (tmp_path / "results.md").read_text()
+    md = (tmp_path / "out" / "results.md").read_text()
     assert "| drafter | T | γ | median α" in md and "python -m specviz bench --quick" in md
     assert "policy / best fixed" in md and "batch / sequential" in md
     assert "### Forward passes" in md and "median baseline / HF plain" in md
     assert "| lookup+eagle | 0 | tree 3x2:4 | 5 |" in md  # chains and trees, with the verify width
-    assert (tmp_path / "speedup.html").stat().st_size > 10_000
+    assert (tmp_path / "out" / "speedup.html").stat().st_size > 10_000
     assert "median speedup" in capsys.readouterr().out
 
 

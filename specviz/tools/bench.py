@@ -587,6 +587,8 @@ def environment(pair: ModelPair, others: float | None = None) -> dict:
     env = {"device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
            "cpu": platform.processor() or platform.machine(), "target": pair.target_name, "draft": pair.draft_name}
+    if pair.head is not None:
+        env["head"] = pair.head_name
     if pair.device.type == "cpu":
         env["cpu"] = kernels.describe_machine()
         chosen = kernels.summary(pair.dtype)

@@ -499,6 +499,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="speedup of specviz against the baseline, HF assisted generation and theory")
     b.add_argument("--preset", choices=list(PRESETS), default="offline", help=PAIR_HELP)
+    b.add_argument("--head", metavar="DIR", help="an EAGLE head (from `distill --kind eagle`) in place of the "
+                   "pair's: heads compared on the same prompts, each bench naming its own in the results")
     b.add_argument("--gammas", default="1,2,4", help="comma-separated γ values for the draft model")
     b.add_argument("--lookup-gammas", default="2,4,8", help="comma-separated γ values for prompt lookup")
     b.add_argument("--eagle-gammas", default="2,3,4,6",
@@ -598,7 +600,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         Settings(gamma=g, max_new_tokens=max_new, cache=args.cache).validate()
     for g, k, n in trees:
         Settings(gamma=g, branch=k, nodes=n, drafter="eagle", max_new_tokens=max_new, cache=args.cache).validate()
-    pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype, retune=args.retune,
+    pair = load_pair(preset=args.preset, device=args.device, dtype=args.dtype, retune=args.retune, head=args.head,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     if pair.head is None and set(drafters) & set(HEAD_DRAFTERS):
         print("no EAGLE head for this pair: the drafters that need one are skipped", file=sys.stderr)
