@@ -1,6 +1,8 @@
 """The first run's drafter and γ from this machine's costs: the expected-speedup rule in closed form,
 the note where nothing wins, and the measurement kept in the cache."""
 
+from dataclasses import replace
+
 import pytest
 from conftest import scripted_meters, while_another_process_makes
 
@@ -51,6 +53,40 @@ def test_when_nothing_beats_plain_decoding_the_note_says_so_and_why():
     assert best.expected < 1
     text = describe(best, c)
     assert "no drafter and γ is expected to beat plain decoding" in text and "2.50 one-token steps" in text
+
+
+def test_a_run_of_the_machines_choice_is_told_its_expectation_part_by_part(pattern_pair):
+    """costs.against: the speedup a run measured beside the one expected, and each part of the expectation as the
+    run measured it, in its baseline's one-token steps, beside what the choice priced it at."""
+    from statistics import median
+
+    from specviz.core.generator import Settings
+    from specviz.tools.stream import stream
+
+    done = list(stream(pattern_pair("llama"), "w2 w3 w4", Settings(gamma=2, max_new_tokens=24), compare=True,
+                       chat_template=False))[-1]
+    spec, base = done.spec, done.base
+    step = median(e.verify_ms for e in base.events[1:])  # the baseline's first step holds its prefill's last token
+    verify = median(e.verify_ms for e in spec.events) / step
+    rest = (spec.events[-1].elapsed_ms - spec.meta.prefill_ms - sum(e.verify_ms for e in spec.events)) / step
+    measured = (f"measured {spec.tokens_per_s / base.tokens_per_s:.2f}x: a round verified in {verify:.2f} steps "
+                f"(priced at {{}}), drafted and kept its books in {rest / len(spec.events):.2f} more (priced at {{}}) "
+                f"and yielded {spec.tokens_per_round:.2f} tokens ({{}} on a median benchmark prompt)")
+    c = made_costs({1: 10.0, 2: 11.0, 3: 12.0, 5: 14.0}, {"model": 2.0}, {"": 0.5, "model": 1.0})
+    # a chain of 2: a verify of 3 tokens at 12 / 10; 2 drafts of 2 ms and 1 ms of bookkeeping a round
+    chain = costs.against(Choice("model", 2, 1.5, tokens_per_round=1.8), c, spec, base)
+    assert chain == "expected 1.50x, " + measured.format("1.20", "0.50", "1.80")
+    # a tree, sampled: a verify of 5 tokens, and the sampled round's drafting and bookkeeping as timed
+    c.tree_ms[costs.tree_key("eagle", (3, 2, 4), sampled=True)] = 7.0
+    as_tree = replace(spec, meta=replace(spec.meta, drafter="eagle", gamma=3, branch=2, nodes=4, temperature=1.0))
+    tree = costs.against(Choice("eagle", 3, 1.4, 2, 4, 2.1), c, as_tree, base, sampled=True)
+    assert tree == "expected 1.40x, " + measured.format("1.40", "0.70", "2.10")
+    assert costs.against(Choice("eagle", 3, 1.4, 2, 4, 2.1), c, as_tree, base) == ""  # the greedy choice's price
+    # what the costs did not price, or nothing to count in: no sentence
+    for other in (dict(gamma=3), dict(cache="dynamic"), dict(compiled=True), dict(dtype="bfloat16"),
+                  dict(gamma_policy="grow-shrink"), dict(batch_size=2)):
+        assert costs.against(Choice("model", 2, 1.5), c, replace(spec, meta=replace(spec.meta, **other)), base) == ""
+    assert costs.against(Choice("model", 2, 1.5), c, spec, replace(base, events=[])) == ""
 
 
 def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path, monkeypatch):

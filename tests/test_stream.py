@@ -1,5 +1,6 @@
 """The streaming API that the CLI and the app consume: typed updates, a trace, a time limit."""
 
+import html
 import re
 import subprocess
 import sys
@@ -153,6 +154,31 @@ def test_the_page_is_drawn_at_most_every_update_s_and_at_each_runs_last_round(pa
     assert len(statuses) == 4 and statuses[-1].startswith("done: 24 tokens. Speedup")
     every, _ = drawn(0.0)
     assert len(every) == len(last.spec.events) + len(last.base.events) + 1
+
+
+def test_a_run_with_the_machines_choice_ends_saying_how_it_measured_against_the_expectation(pattern_pair,
+                                                                                             monkeypatch):
+    """The page's last status line, for a run with the drafter and shape this machine chose (and its baseline):
+    the expected speedup beside the measured one, part by part (costs.against); for any other settings, nothing."""
+    from specviz.tools.costs import Choice, Costs
+    from specviz.ui import handlers, page
+    from specviz.ui.view import View
+
+    chosen = Choice("model", 2, 1.5, tokens_per_round=1.8), Costs("m", "float32", False, {1: 10.0, 3: 12.0},
+                                                                   {"model": 2.0})
+    monkeypatch.setattr(page, "_MACHINE_CHOICES", {("offline", False): chosen})
+    assert page.measured_against("offline", True) is None and page.measured_against("opt-350m", False) is None
+
+    def last_status(settings: Settings) -> str:
+        updates = stream(pattern_pair("llama"), "w2 w3 w4", settings, compare=True, chat_template=False)
+        frames = list(handlers.follow(View(), updates, "", page.measured_against("offline", False)))
+        return html.unescape(re.sub("<[^>]+>", "", frames[-1][0]))
+
+    status = last_status(Settings(gamma=2, max_new_tokens=24))  # the draft model at γ 2: the choice
+    assert status.startswith("done: 24 tokens. Speedup")
+    assert " This machine's choice: expected 1.50x, measured " in status
+    assert "(priced at 1.20)" in status and status.endswith("(1.80 on a median benchmark prompt).")
+    assert "machine's choice" not in last_status(Settings(gamma=3, max_new_tokens=24))
 
 
 def test_the_charts_under_the_streams_are_redrawn_at_most_every_charts_s_and_at_each_runs_last_round(pattern_pair,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shlex
@@ -142,7 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress, head=args.head,
                      retune=args.retune)
-    chosen_line = ""  # the drafter and γ measured best on this machine, when the preset left them open
+    chosen_line, against = "", None  # the drafter and γ measured best on this machine, when the preset left them open
     if preset and args.drafter is None and args.gamma is None and args.branch is None and first_run.tokens_per_round:
         from . import costs as machine_costs
 
@@ -152,6 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma, branch=choice.branch,
                                nodes=choice.nodes, gamma_max=max(args.gamma_max, choice.gamma))
             chosen_line = machine_costs.describe(choice, costs)
+            against = functools.partial(machine_costs.against, choice, costs, sampled=sampled)
     check_drafter(pair, settings)
     prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
     for ids in prompts_ids:
@@ -193,6 +195,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"speedup: {speedup:.2f}x (speculative over baseline tokens/s, same prompt and seed)", file=out)
         if note := slower_note(spec, base):
             print(f"on this machine: {note}", file=out)
+        if against and (line := against(spec, base)):
+            print(f"the machine's choice: {line}", file=out)
         if settings.sampling.greedy:
             diff = first_difference(spec.token_ids, base.token_ids)
             if diff is None:

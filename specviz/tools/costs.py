@@ -44,8 +44,10 @@ from statistics import median
 
 import torch
 
+from ..core.events import Run
 from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate
 from ..core.kvcache import KVState
+from ..core.theory import target_step_ms
 from ..models import contention, kernels
 from ..models.cachedir import cache_root, locked
 from ..models.loading import ModelPair, encode_prompt
@@ -331,6 +333,32 @@ def describe(choice: Choice, costs: Costs) -> str:
         f"chosen for this machine: {choice.text}, expected {choice.expected:.2f}x over "
         f"plain decoding (a verify of {k} tokens costs {costs.c(k):.2f} one-token steps of "
         f"{costs.forward_ms[1]:.1f} ms here{held(choice)}).")) + busy
+
+
+def against(choice: Choice, costs: Costs, spec: Run, baseline: Run, sampled: bool = False) -> str:
+    """One sentence for a run of the choice (greedy, or sampled where `sampled`) beside its baseline: the speedup it
+    measured against the one expected, and the expectation's parts as the run measured them, each in the
+    baseline's one-token steps: a round's verify (priced as the forward alone, c(k)), the rest of a round
+    (drafting and bookkeeping), and the tokens a round kept (τ, the preset's median prompt's). So a viewer sees
+    which part moved: this prompt's acceptance, or this machine's timings, which vary from start to start. '' for
+    a run the costs did not price (another drafter or shape, an adaptive γ, another cache, dtype or compiling, a
+    batch row) or without a baseline step to count in."""
+    m = spec.meta
+    priced = (m.drafter, m.gamma, m.branch, m.nodes, m.gamma_policy, m.cache, m.compiled, m.dtype, m.batch_size,
+              not m.sampling.greedy) == (choice.drafter, choice.gamma, choice.branch, choice.nodes, "fixed", "static",
+                                         costs.compiled, costs.dtype, 1, sampled)
+    step = target_step_ms(spec, baseline)
+    if not priced or not step or not spec.events or not baseline.tokens_per_s:
+        return ""
+    k, plain = width(choice.shape), costs.forward_ms[1]
+    rest = (costs.tree_ms[tree_key(choice.drafter, choice.shape, sampled)] if choice.branch > 1 else
+            choice.gamma * costs.draft_ms[choice.drafter] + costs.overhead_ms.get(choice.drafter, 0.0))
+    verified = sum(e.verify_ms for e in spec.events)
+    spent = (spec.events[-1].elapsed_ms - spec.meta.prefill_ms - verified) / len(spec.events)
+    return (f"expected {choice.expected:.2f}x, measured {spec.tokens_per_s / baseline.tokens_per_s:.2f}x: a round "
+            f"verified in {median(e.verify_ms for e in spec.events) / step:.2f} steps (priced at {costs.c(k):.2f}), "
+            f"drafted and kept its books in {spent / step:.2f} more (priced at {rest / plain:.2f}) and yielded "
+            f"{spec.tokens_per_round:.2f} tokens ({choice.tokens_per_round:.2f} on a median benchmark prompt)")
 
 
 def held(choice: Choice) -> str:

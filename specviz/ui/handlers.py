@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import gradio as gr
 
-from ..core.events import load_runs
+from ..core.events import Run, load_runs
 from ..models.loading import PRESETS, ModelPair
 from ..tools.lossless import exact_check, float32_recheck, sample_check_live
 from ..tools.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
@@ -38,6 +38,7 @@ from .page import (
     as_int,
     check_request,
     first_run_values,
+    measured_against,
     split_batch,
     trace_dir,
 )
@@ -75,12 +76,13 @@ def draft_note(pair: ModelPair, settings) -> str:
     return f"Draft note: {pair.draft_note}. " if pair.draft_note and settings.drafter == "model" else ""
 
 
-def follow(view: View, updates: Iterator[Update], note: str):
+def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None):
     """The page every UPDATE_S at most, and at each run's last round, until the runs finish: every round shows,
     several at once when they come faster (drawn every round, a 64-token comparison that decodes in 1-2 s kept
     a 2-core CPU's browser busy for 18-21 CPU-seconds: `bench-page`, BENCHMARKS.md). The five charts under the
     streams are redrawn every CHARTS_S at most and at each run's last round: the browser lays out each of them
-    anew at every redraw, on the CPU the decode runs on."""
+    anew at every redraw, on the CPU the decode runs on. `against`: for a run with the machine's choice, the
+    speedup it measured against the expected one (page.measured_against), said when the baseline has run."""
     drawn = charted = -math.inf  # the first round is drawn at once, charts included
     for update in updates:
         if isinstance(update, RoundDone):
@@ -101,8 +103,9 @@ def follow(view: View, updates: Iterator[Update], note: str):
         elif isinstance(update, Finished):
             stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
             view.spec, view.base = update.spec, update.base
+            line = against(view.spec, view.base) if against and view.base and not update.stopped else ""
             view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.{speedup_line(view.spec, view.base)}"
-                                    f"{stopped}")
+                                    f"{stopped}" + (f" This machine's choice: {line}." if line else ""))
             yield view.outputs(download=str(update.trace), race=race_html(view.spec, view.base) if view.base else "")
 
 
@@ -122,7 +125,8 @@ def run(page: Page, request=None):
         yield view.outputs()
         return
     SERVED["runs"] += 1
-    yield from follow(view, updates, draft_note(pair, settings))
+    yield from follow(view, updates, draft_note(pair, settings),
+                      measured_against(page.preset, not settings.sampling.greedy))
 
 
 # --- step mode -----------------------------------------------------------------------------------

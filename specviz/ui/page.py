@@ -11,14 +11,16 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..core.events import Run
 from ..core.generator import DRAFTER_KINDS, MAX_GAMMA, MAX_NODES, Settings, draft_width
 from ..core.generator import validate_prompt as check_prompt
 from ..models.loading import PRESETS, ModelPair, load_pair
-from ..tools.costs import Choice, Costs, describe, first_run
+from ..tools.costs import Choice, Costs, against, describe, first_run
 from ..view.rendering import note_html
 
 CUSTOM = "custom (enter ids below)"
@@ -247,6 +249,14 @@ def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
             if choice:
                 _MACHINE_CHOICES[preset, sampled] = choice, costs
     return _MACHINE_CHOICES.get((preset, False))
+
+
+def measured_against(preset: str, sampled: bool) -> Callable[[Run, Run], str] | None:
+    """(run, its baseline) -> how a run of what this machine chose for the preset (greedy or sampled) measured
+    against the expected speedup, part by part ('' for a run of other settings: costs.against); None where
+    nothing was chosen."""
+    chosen = _MACHINE_CHOICES.get((preset, sampled))
+    return None if chosen is None else functools.partial(against, *chosen, sampled=sampled)
 
 
 def first_run_values(preset: str, sampled: bool = False) -> tuple[str, int, int, int, str]:
