@@ -68,9 +68,10 @@ def test_a_run_of_the_machines_choice_is_told_its_expectation_part_by_part(patte
     spec, base = done.spec, done.base
     step = median(e.verify_ms for e in base.events[1:])  # the baseline's first step holds its prefill's last token
     verify = median(e.verify_ms for e in spec.events) / step
-    rest = (spec.events[-1].elapsed_ms - spec.meta.prefill_ms - sum(e.verify_ms for e in spec.events)) / step
+    # a round's time outside its verify (drafting, bookkeeping), in steps
+    rest = (spec.decode_ms - spec.meta.prefill_ms - sum(e.verify_ms for e in spec.events)) / len(spec.events) / step
     measured = (f"measured {spec.tokens_per_s / base.tokens_per_s:.2f}x: a round verified in {verify:.2f} steps "
-                f"(priced at {{}}), drafted and kept its books in {rest / len(spec.events):.2f} more (priced at {{}}) "
+                f"(priced at {{}}), drafted and kept its books in {rest:.2f} more (priced at {{}}) "
                 f"and yielded {spec.tokens_per_round:.2f} tokens ({{}} on a median benchmark prompt)")
     c = made_costs({1: 10.0, 2: 11.0, 3: 12.0, 5: 14.0}, {"model": 2.0}, {"": 0.5, "model": 1.0})
     # a chain of 2: a verify of 3 tokens at 12 / 10; 2 drafts of 2 ms and 1 ms of bookkeeping a round
