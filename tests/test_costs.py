@@ -211,6 +211,7 @@ def test_a_trees_drafting_is_its_median_round_so_one_slow_round_does_not_reorder
     rounds = [NS(draft_ms=d, verify_ms=10.0, gamma=2, elapsed_ms=0.0) for d in (2.0, 40.0, 3.0, 2.0)]
     run = NS(events=rounds, meta=NS(prefill_ms=0.0))
     rounds[-1].elapsed_ms = sum(e.draft_ms + e.verify_ms for e in rounds) + 4.0  # 1 ms of bookkeeping a round
+    run.rounds_ms = rounds[-1].elapsed_ms  # no prefill (Run.rounds_ms)
     monkeypatch.setattr(costs, "generate", lambda *args, **kwargs: run)
     draft, bookkeeping = costs._round_costs(None, "eagle", False, (3, 3, 5))
     assert (draft, bookkeeping) == (pytest.approx(2.5), pytest.approx(1.0))

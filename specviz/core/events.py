@@ -234,6 +234,11 @@ class Run:
         return self.events[-1].elapsed_ms if self.events else 0.0
 
     @property
+    def rounds_ms(self) -> float:
+        """Wall time of the rounds: the run's, prefill excluded."""
+        return self.decode_ms - self.meta.prefill_ms if self.events else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return 1000.0 * self.n_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
 

@@ -124,12 +124,15 @@ class Choice:
 def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round: float, sampled: bool = False) -> float:
     """S of the module docstring, for a chain (branch 1) or a tree (its round timed greedy or sampled)."""
     plain = costs.forward_ms[1] + costs.overhead_ms.get("", 0.0)
+    return tokens_per_round * plain / (costs.forward(width(shape)) + beside_verify_ms(costs, drafter, shape, sampled))
+
+
+def beside_verify_ms(costs: Costs, drafter: str, shape: Shape, sampled: bool = False) -> float:
+    """A round's drafting and bookkeeping as priced: a chain's γ drafts and its drafter's bookkeeping, a tree's
+    measured round (greedy or sampled)."""
     if shape[1] == 1:
-        gamma = shape[0]
-        spec = costs.forward(gamma + 1) + gamma * costs.draft_ms.get(drafter, 0.0) + costs.overhead_ms.get(drafter, 0.0)
-    else:
-        spec = costs.forward(width(shape)) + costs.tree_ms[tree_key(drafter, shape, sampled)]
-    return tokens_per_round * plain / spec
+        return shape[0] * costs.draft_ms.get(drafter, 0.0) + costs.overhead_ms.get(drafter, 0.0)
+    return costs.tree_ms[tree_key(drafter, shape, sampled)]
 
 
 def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False) -> list[Choice]:
@@ -220,7 +223,7 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
     else:
         drafted = sum(e.gamma for e in events)
         draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
-    spent = run.events[-1].elapsed_ms - run.meta.prefill_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
+    spent = run.rounds_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
     return draft, max(spent, 0.0) / max(len(run.events), 1)
 
 
@@ -350,14 +353,12 @@ def against(choice: Choice, costs: Costs, spec: Run, baseline: Run, sampled: boo
     step = target_step_ms(spec, baseline)
     if not priced or not step or not spec.events or not baseline.tokens_per_s:
         return ""
-    k, plain = width(choice.shape), costs.forward_ms[1]
-    rest = (costs.tree_ms[tree_key(choice.drafter, choice.shape, sampled)] if choice.branch > 1 else
-            choice.gamma * costs.draft_ms[choice.drafter] + costs.overhead_ms.get(choice.drafter, 0.0))
-    verified = sum(e.verify_ms for e in spec.events)
-    spent = (spec.events[-1].elapsed_ms - spec.meta.prefill_ms - verified) / len(spec.events)
+    rest = beside_verify_ms(costs, choice.drafter, choice.shape, sampled) / costs.forward_ms[1]
+    spent = (spec.rounds_ms - sum(e.verify_ms for e in spec.events)) / len(spec.events)
     return (f"expected {choice.expected:.2f}x, measured {spec.tokens_per_s / baseline.tokens_per_s:.2f}x: a round "
-            f"verified in {median(e.verify_ms for e in spec.events) / step:.2f} steps (priced at {costs.c(k):.2f}), "
-            f"drafted and kept its books in {spent / step:.2f} more (priced at {rest / plain:.2f}) and yielded "
+            f"verified in {median(e.verify_ms for e in spec.events) / step:.2f} steps (priced at "
+            f"{costs.c(width(choice.shape)):.2f}), drafted and kept its books in {spent / step:.2f} more (priced at "
+            f"{rest:.2f}) and yielded "
             f"{spec.tokens_per_round:.2f} tokens ({choice.tokens_per_round:.2f} on a median benchmark prompt)")
 
 

@@ -51,7 +51,7 @@ def summary(run: Run) -> str:
         )
     draft = sum(e.draft_ms for e in run.events)
     verify = sum(e.verify_ms for e in run.events)
-    other = run.decode_ms - run.meta.prefill_ms - draft - verify
+    other = run.rounds_ms - draft - verify
     step = "verifying" if run.meta.mode == "speculative" else "target steps"
     lines.append(f"  time: prefill {run.meta.prefill_ms:.0f} ms, drafting {draft:.0f} ms, {step} {verify:.0f} ms, "
                  f"everything else {other:.0f} ms")
