@@ -13,6 +13,7 @@ import functools
 import inspect
 import logging
 import os
+import signal
 
 import gradio as gr
 
@@ -109,7 +110,8 @@ def projector_from_url(request: gr.Request = None) -> bool:
 
 
 EMPTY = empty_charts()  # the charts' frames, drawn before any run
-# delete_cache: Gradio's copies of downloaded traces go after an hour, so a public server's disk stays flat
+# delete_cache: files Gradio keeps (traces uploaded for replay) go after an hour, so a public server's disk stays
+# flat; the runs' own trace files are served where they are, the newest 64 (specviz/ui/page.py, trace_dir)
 with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3600)) as demo:
     # the first screen, down to the first line of both streams, fits a projector's 1280x720
     with gr.Row():
@@ -295,9 +297,12 @@ if __name__ == "__main__":
     logging.basicConfig(format="%(message)s")  # specviz's warnings (compiling, falling back) on the console
     log.setLevel(logging.INFO)  # and its progress (loading, measuring this machine's kernels and costs)
     log.info(share_the_cores())  # before any model work: the kernel table and costs are per thread count
+    # A stop from a supervisor, a container or a Space (SIGTERM) ends the app as Ctrl-C does, so the runs' trace
+    # files and Gradio's copies of them are removed; killed outright, they stay in the temporary folder.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         warm_up()
-    except KeyboardInterrupt:  # Ctrl-C while loading or measuring: a line, not a traceback
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while loading or measuring: a line, not a traceback
         raise SystemExit("stopped (Ctrl-C) before the app started") from None
     launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

@@ -17,6 +17,8 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
+from specviz.core.events import load_runs
+
 pytestmark = [pytest.mark.slow, pytest.mark.offline_model]
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,3 +246,27 @@ def test_ctrl_c_while_the_app_loads_is_a_line_not_a_traceback():
     assert proc.wait(timeout=60) != 0
     text = "".join(said)
     assert "Traceback" not in text and text.rstrip().endswith("stopped (Ctrl-C) before the app started")
+
+
+def test_sigterm_stops_the_app_and_removes_its_trace_files(tmp_path):
+    """A supervisor's, a container's or a Space's stop (SIGTERM) ends `python app.py` as Ctrl-C does, and the
+    runs' trace files leave Gradio's folder with it; Gradio serves them where they are, with no copies."""
+    import signal
+
+    served = tmp_path / "gradio"
+    proc, url = start_server(sys.executable, {"GRADIO_TEMP_DIR": str(served)})
+    try:
+        client = Client(url, verbose=False, download_files=str(tmp_path / "downloads"))
+        for seed in (0, 1):
+            out = client.predict(*args(max_new_tokens=4, seed=seed), api_name="/run")
+            assert "done: 4 tokens" in out[0]
+            (run,) = load_runs(next(o for o in out if str(o).endswith(".json")))  # the page's download link
+            assert run.n_tokens == 4 and run.meta.seed == seed
+        traces = list(served.rglob("specviz-run-*.json"))
+        assert len(traces) == 2 and all(t.parent.name.startswith("specviz-traces-") for t in traces), traces
+        proc.send_signal(signal.SIGTERM)
+        said = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, said
+    assert not list(served.rglob("specviz-*")), said

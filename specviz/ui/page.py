@@ -108,9 +108,13 @@ def share_the_cores() -> str:
 
 @functools.cache
 def trace_dir() -> Path:
-    """The folder the runs' trace files go to (the newest 64 kept; Gradio serves copies of them): made on the
-    first run, removed when the process ends."""
-    folder = Path(tempfile.mkdtemp(prefix="specviz-traces-"))
+    """The folder the runs' trace files go to (the newest 64 kept): made on the first run inside Gradio's own
+    cache folder, so that Gradio serves the files where they are instead of keeping copies, and removed when the
+    process ends (Ctrl-C or SIGTERM; app.py)."""
+    from gradio.utils import get_upload_folder
+
+    (cache := Path(get_upload_folder())).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="specviz-traces-", dir=cache))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
 
