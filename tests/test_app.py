@@ -48,8 +48,10 @@ def test_run_events_agree_with_the_stats_shown(app_url):
     status, spec_html, base_html, diff, stats, *_figs, _pick, download, race, _stage, _how = call(client)
     assert "done: 12 tokens" in status
     spec, base = load_runs(download)
-    accepted, rejected, drafted = (int(x) for x in stat(stats, "accepted / rejected / drafted").split(" / "))
+    counts, _, untested = stat(stats, "accepted / rejected / drafted").partition(" (")  # "3 / 1 / 8 (4 never tested)"
+    accepted, rejected, drafted = (int(x) for x in counts.split(" / "))
     assert (accepted, rejected, drafted) == (spec.n_accepted, spec.n_rejected, spec.n_drafted)
+    assert untested == (f"{spec.n_untested} never tested)" if spec.n_untested else "")
     assert int(stat(stats, "rounds (target passes)")) == len(spec.events)
     assert int(stat(stats, "baseline target passes")) == base.n_tokens == 12
     assert spec_html.count("sv-accepted") == accepted and spec_html.count("sv-rejected") == rejected

@@ -52,7 +52,13 @@ def test_summaries():
     assert (run.n_accepted, run.n_rejected, run.n_tokens, run.token_ids) == (3, 1, 5, [5, 7, 8, 9, 4])
     assert run.acceptance_rate == 0.75 and run.tokens_per_round == 2.5 and run.tokens_per_s == 125.0
     assert run_text(run, colour=False) == "a[-<script>alert(1)</script>-]{c}de<f>"
-    assert "3 / 1 / 4" in stats_html(run)
+    assert "3 / 1 / 4</b>" in stats_html(run) and "rejected of 4 drafted" in summary(run)
+    first = run.events[0]  # a third draft after the rejection: drafted, never judged
+    untested = DraftedToken(3, "x", 0.2, 0.1, 0.5, None, "unverified")
+    run.events[0] = dataclasses.replace(first, gamma=3, drafted=[*first.drafted, untested])
+    assert run.n_untested == 1 and run.acceptance_rate == 0.75
+    assert "3 / 1 / 5 (1 never tested)</b>" in stats_html(run)
+    assert "(3 accepted, 1 rejected, 1 never tested of 5 drafted)" in summary(run)
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
 

@@ -201,6 +201,12 @@ class Run:
         return sum(e.gamma for e in self.events)
 
     @property
+    def n_untested(self) -> int:
+        """Drafts the target never judged: after a rejection, past EOS or the budget, or on a tree's other
+        branches."""
+        return self.n_drafted - self.n_accepted - self.n_rejected
+
+    @property
     def copied_rounds(self) -> int:
         """Rounds prompt lookup drafted, in a run whose drafter combines it with another."""
         return sum(e.drafted_by == "lookup" for e in self.events)

@@ -45,7 +45,8 @@ def summary(run: Run) -> str:
         alpha = run.acceptance_rate
         lines.append(
             f"  acceptance rate {'n/a' if alpha is None else f'{alpha:.1%}'} "
-            f"({run.n_accepted} accepted, {run.n_rejected} rejected of {run.n_drafted} drafted), "
+            f"({run.n_accepted} accepted, {run.n_rejected} rejected"
+            f"{f', {run.n_untested} never tested' if run.n_untested else ''} of {run.n_drafted} drafted), "
             f"{run.tokens_per_round:.2f} tokens per round over {len(run.events)} rounds ({gamma_label(run)})"
             + (f", {run.copied_rounds} of them drafted by prompt lookup" if run.copied_rounds else "")
         )
@@ -184,7 +185,8 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         ("drafter", (spec.meta.draft or "–") + (", drafting greedily (q one-hot)" if spec.meta.draft_greedy else "")),
         ("γ", gamma_label(spec)),
         ("acceptance rate α̂", "–" if alpha is None else f"{alpha:.1%}"),
-        ("accepted / rejected / drafted", f"{spec.n_accepted} / {spec.n_rejected} / {spec.n_drafted}"),
+        ("accepted / rejected / drafted", f"{spec.n_accepted} / {spec.n_rejected} / {spec.n_drafted}"
+                                          + (f" ({spec.n_untested} never tested)" if spec.n_untested else "")),
         ("mean tokens per round", f"{spec.tokens_per_round:.2f}"),
         ("rounds (target passes)", str(spec.target_passes)),
         ("speculative tokens/s", f"{spec.tokens_per_s:.1f}"),
