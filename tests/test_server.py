@@ -89,8 +89,11 @@ def start_server(python: str, env_extra: dict, cwd: Path = ROOT):
 def public_url():
     proc, url = start_server(sys.executable, {"SPECVIZ_PUBLIC": "1"})
     yield url
-    proc.kill()
-    proc.wait(timeout=30)
+    proc.terminate()  # as a supervisor stops it: the app removes its trace files
+    try:
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
 
 
 BATTERY = [
