@@ -97,7 +97,11 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
     choice, measured = costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}, messages.append)
     assert choice is not None and choice.drafter == "model" and choice.gamma in (1, 2)
     assert set(measured.forward_ms) == set(range(1, costs.MAX_WIDTH + 1)) and measured.draft_ms["model"] > 0
-    assert any("measuring what a round costs" in m for m in messages)
+    assert messages[0].endswith(f"(once, then cached): forwards of 1 to {costs.MAX_WIDTH} tokens; rounds of plain "
+                                "decoding, model...")
+    assert costs._missing(set(), [("eagle", (3, 2, 4), False), ("eagle", (2, 1, 0), False),
+                                  ("eagle", (3, 3, 5), False), ("eagle", (3, 2, 4), True)]) \
+        == "rounds of eagle; eagle trees 3x2:4, 3x3:5; sampled eagle trees 3x2:4"
     assert list((tmp_path / "costs").glob("*.json"))
 
     def no_decoding(*args, **kwargs):

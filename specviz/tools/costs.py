@@ -283,17 +283,18 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
     """Time what `known` lacks (all, without it: the forwards, a short decode per drafter and tree), and
     store the whole in file."""
     started = time.perf_counter()
-    if progress:
-        progress(f"measuring what a round costs on this machine ({', '.join(drafters)}; once, then cached)...")
     widths = {*range(1, MAX_WIDTH + 1), *(width(t[1]) for t in trees)}
     costs = known or Costs(kernels.describe_machine() if pair.device.type == "cpu" else str(pair.device),
                            str(pair.dtype).removeprefix("torch."), compiled, {})
+    rounds = [(d, (2, 1, 0), False) for d in ["", *drafters] if d not in costs.overhead_ms]
+    rounds += [t for t in trees if tree_key(*t) not in costs.tree_ms]
+    if progress:
+        progress(f"measuring what a round costs on this machine (once, then cached): "
+                 f"{_missing(widths - set(costs.forward_ms), rounds)}...")
     shares = [costs.busy]  # how much of what our threads needed other processes took, part by part
     if not widths <= set(costs.forward_ms):  # all widths timed together: c(k) compares forwards of one run
         costs.forward_ms, busy = _quietest_forwards(pair, sorted(widths | set(costs.forward_ms)), compiled, progress)
         shares.append(busy)
-    rounds = [(d, (2, 1, 0), False) for d in ["", *drafters] if d not in costs.overhead_ms]
-    rounds += [t for t in trees if tree_key(*t) not in costs.tree_ms]
     taken = contention.others_meter()
     for d, shape, sampled in rounds:
         if shape[1] == 1:
@@ -313,6 +314,19 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
                  f"one step {costs.forward_ms[1]:.1f} ms" + (
                      f"; {contention.took(costs.busy)}, so the next start times it again" if costs.disturbed else ""))
     return costs
+
+
+def _missing(widths: set[int], rounds: list[TreeRound]) -> str:
+    """What a measurement times, for its progress line: 'forwards of 1 to 9 tokens; rounds of plain decoding,
+    eagle; eagle trees 3x2:4, 3x3:5'."""
+    parts = [f"forwards of 1 to {max(widths)} tokens"] if widths else []
+    if chains := [d or "plain decoding" for d, shape, _ in rounds if shape[1] == 1]:
+        parts.append("rounds of " + ", ".join(chains))
+    trees: dict[str, list[str]] = {}
+    for d, (gamma, branch, nodes), sampled in (t for t in rounds if t[1][1] > 1):
+        trees.setdefault(("sampled " if sampled else "") + d, []).append(f"{gamma}x{branch}:{nodes}")
+    parts += [f"{kind} trees {', '.join(shapes)}" for kind, shapes in trees.items()]
+    return "; ".join(parts)
 
 
 def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], progress: Progress | None = None,
