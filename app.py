@@ -298,7 +298,7 @@ if __name__ == "__main__":
     log.setLevel(logging.INFO)  # and its progress (loading, measuring this machine's kernels and costs)
     log.info(share_the_cores())  # before any model work: the kernel table and costs are per thread count
     # A stop from a supervisor, a container or a Space (SIGTERM) ends the app as Ctrl-C does, so the runs' trace
-    # files and Gradio's copies of them are removed; killed outright, they stay in the temporary folder.
+    # files are removed (page.trace_dir); killed outright, they stay in the temporary folder.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         warm_up()
