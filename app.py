@@ -303,6 +303,6 @@ if __name__ == "__main__":
     try:
         warm_up()
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while loading or measuring: a line, not a traceback
-        raise SystemExit("stopped (Ctrl-C) before the app started") from None
+        raise SystemExit("stopped (Ctrl-C or SIGTERM) before the app started") from None
     launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
            server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))

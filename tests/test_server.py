@@ -248,7 +248,7 @@ def test_ctrl_c_while_the_app_loads_is_a_line_not_a_traceback():
     said.append(proc.stdout.read())
     assert proc.wait(timeout=60) != 0
     text = "".join(said)
-    assert "Traceback" not in text and text.rstrip().endswith("stopped (Ctrl-C) before the app started")
+    assert "Traceback" not in text and text.rstrip().endswith("stopped (Ctrl-C or SIGTERM) before the app started")
 
 
 def test_sigterm_stops_the_app_and_removes_its_trace_files(tmp_path):
