@@ -237,8 +237,8 @@ def test_ctrl_c_while_the_app_loads_is_a_line_not_a_traceback():
     import signal
 
     env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(free_port())}
-    # Ctrl-C as a terminal sends it: a suite started in the background by a script inherits SIGINT ignored (POSIX
-    # does that to a non-interactive shell's `&` jobs), and Python then keeps it ignored, as a user's shell would
+    # Ctrl-C as a terminal delivers it: a suite started in the background by a script inherits SIGINT ignored
+    # (POSIX does that to a non-interactive shell's `&` jobs), and Python keeps an inherited SIG_IGN
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
