@@ -288,12 +288,13 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
                            str(pair.dtype).removeprefix("torch."), compiled, {})
     rounds = [(d, (2, 1, 0), False) for d in ["", *drafters] if d not in costs.overhead_ms]
     rounds += [t for t in trees if tree_key(*t) not in costs.tree_ms]
+    # all widths timed together where one is missing: c(k) compares forwards of one run
+    forwards = set() if widths <= set(costs.forward_ms) else widths | set(costs.forward_ms)
     if progress:
-        progress(f"measuring what a round costs on this machine (once, then cached): "
-                 f"{_missing(widths - set(costs.forward_ms), rounds)}...")
+        progress(f"measuring what a round costs on this machine (once, then cached): {_missing(forwards, rounds)}...")
     shares = [costs.busy]  # how much of what our threads needed other processes took, part by part
-    if not widths <= set(costs.forward_ms):  # all widths timed together: c(k) compares forwards of one run
-        costs.forward_ms, busy = _quietest_forwards(pair, sorted(widths | set(costs.forward_ms)), compiled, progress)
+    if forwards:
+        costs.forward_ms, busy = _quietest_forwards(pair, sorted(forwards), compiled, progress)
         shares.append(busy)
     taken = contention.others_meter()
     for d, shape, sampled in rounds:
@@ -317,8 +318,8 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
 
 
 def _missing(widths: set[int], rounds: list[TreeRound]) -> str:
-    """What a measurement times, for its progress line: 'forwards of 1 to 9 tokens; rounds of plain decoding,
-    eagle; eagle trees 3x2:4, 3x3:5'."""
+    """What a measurement times (the forwards' widths, the rounds), for its progress line: 'forwards of 1 to 9
+    tokens; rounds of plain decoding, eagle; eagle trees 3x2:4, 3x3:5'."""
     parts = [f"forwards of 1 to {max(widths)} tokens"] if widths else []
     if chains := [d or "plain decoding" for d, shape, _ in rounds if shape[1] == 1]:
         parts.append("rounds of " + ", ".join(chains))
