@@ -14,7 +14,7 @@ from test_generator import exact_baseline_distribution
 from specviz.core import sampling
 from specviz.core.drafters import Proposal, graft
 from specviz.core.events import Run, runs_from_json, runs_to_json
-from specviz.core.generator import Settings, decode, draft_width, generate
+from specviz.core.generator import Settings, decode, draft_width, generate, parse_trees, tree_label
 from specviz.core.kvcache import CACHE_KINDS, KVState, Tree
 from specviz.core.sampling import SamplingParams, accept_or_resample
 from specviz.models.eagle import EagleHead, HeadConfig
@@ -222,6 +222,15 @@ def test_tree_shape_and_validation():
         Settings(branch=0, drafter="eagle").validate()
     with pytest.raises(ValueError, match="nodes"):
         Settings(branch=2, nodes=64, drafter="eagle").validate()
+
+
+def test_a_tree_label_reads_back_as_its_shape():
+    shapes = [(4, 4, 8), (3, 2, 0), (1, 5, 3)]
+    assert parse_trees(",".join(tree_label(*s) for s in shapes)) == shapes
+    assert parse_trees(" 3x2 , ,5x4:16") == [(3, 2, 0), (5, 4, 16)]  # nodes left out: all; blanks skipped
+    for bad in ("3x", "3:2", "3x2:y", "3x2x4"):
+        with pytest.raises(ValueError, match="γxbranch:nodes"):
+            parse_trees(bad)
 
 
 def test_a_copied_branch_joins_the_tree_within_the_budget():

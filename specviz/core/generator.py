@@ -481,6 +481,25 @@ def draft_width(settings: Settings) -> int:
     return min(drafted, settings.nodes) if settings.nodes else drafted
 
 
+def tree_label(gamma: int, branch: int, nodes: int) -> str:
+    """A tree's shape as specviz writes it: "γxbranch:nodes" (γ deep, branch children per node, nodes verified;
+    0 = all). parse_trees reads it back."""
+    return f"{gamma}x{branch}:{nodes}"
+
+
+def parse_trees(text: str) -> list[tuple[int, int, int]]:
+    """"4x4:8,3x2:4" -> [(4, 4, 8), (3, 2, 4)]: tree_label's shapes, comma-separated (":nodes" may be left out: all)."""
+    shapes = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        try:
+            depth, rest = item.split("x")
+            branch, nodes = rest.split(":") if ":" in rest else (rest, "0")
+            shapes.append((int(depth), int(branch), int(nodes)))
+        except ValueError:
+            raise ValueError(f"a tree is γxbranch:nodes, for example 4x4:8; got {item!r}") from None
+    return shapes
+
+
 def _capacity(prompts_ids: list[list[int]], settings: Settings) -> int:
     """Slots a static cache needs for a single run: prompt, new tokens, and one round's overshoot."""
     return max(map(len, prompts_ids)) + settings.max_new_tokens + draft_width(settings) + 2

@@ -9,7 +9,15 @@ from dataclasses import dataclass, field, replace
 from statistics import median
 
 from ..core.events import Run
-from ..core.generator import HEAD_DRAFTERS, Settings, draft_width, make_meta, speculative_events
+from ..core.generator import (
+    HEAD_DRAFTERS,
+    Settings,
+    draft_width,
+    make_meta,
+    parse_trees,
+    speculative_events,
+    tree_label,
+)
 from ..models.loading import ModelPair
 from ..view import charts
 from ..view.rendering import stats_html, stream_html
@@ -230,7 +238,7 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
                    median(r.tokens_per_s for r in bases), median(tps), speedup, bound,
                    speedup / bound if bound else None, tps_spread=(max(tps) - min(tps)) / median(tps),
                    drafter=settings.drafter, policy=settings.gamma_policy, cache=settings.cache, seed=settings.seed,
-                   tree=tree_label(settings),
+                   tree=tree_label(settings.gamma, settings.branch, settings.nodes) if settings.branch > 1 else "",
                    depth_alpha=[sum(n >= d for n in kept) / max(1, sum(n >= d - 1 for n in kept))
                                 for d in range(1, settings.gamma + 1)])
     if hf_plain:
@@ -371,24 +379,6 @@ def bench_batch(pair: ModelPair, prompts: list[str], drafter: str, gamma: int, m
     identical = all(b.token_ids == a.token_ids for b, a in zip(rows, alone, strict=True))
     return BatchRow(drafter, gamma, len(prompts), median(batch_tps), median(seq_tps),
                     median(batch_tps) / median(seq_tps), identical)
-
-
-def tree_label(settings: Settings) -> str:
-    """A tree's shape as bench tables show it, "γxbranch:nodes"; "" for a chain."""
-    return f"{settings.gamma}x{settings.branch}:{settings.nodes}" if settings.branch > 1 else ""
-
-
-def parse_trees(text: str) -> list[tuple[int, int, int]]:
-    """"4x4:8,3x2:4" -> [(4, 4, 8), (3, 2, 4)] (γ deep, branch children per node, nodes verified; 0 = all)."""
-    shapes = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        try:
-            depth, rest = item.split("x")
-            branch, nodes = rest.split(":") if ":" in rest else (rest, "0")
-            shapes.append((int(depth), int(branch), int(nodes)))
-        except ValueError:
-            raise ValueError(f"a tree is γxbranch:nodes, for example 4x4:8; got {item!r}") from None
-    return shapes
 
 
 def _shape_of(tree: str) -> tuple[int, int]:

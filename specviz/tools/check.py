@@ -40,7 +40,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ..core.events import Run
-from ..core.generator import Settings, encode_prompts, generate, generate_batch
+from ..core.generator import Settings, encode_prompts, generate, generate_batch, tree_label
 from ..models import kernels, native
 from ..models.leanllama import LeanLlama
 from ..models.loading import ModelPair
@@ -72,7 +72,7 @@ class Case:
 
     @property
     def name(self) -> str:
-        shape = f"γ {self.gamma}" if self.branch == 1 else f"tree {self.gamma}x{self.branch}:{self.nodes}"
+        shape = f"γ {self.gamma}" if self.branch == 1 else f"tree {tree_label(self.gamma, self.branch, self.nodes)}"
         cache = self.cache + (" compiled" if self.compiled else "")
         return f"{self.drafter} {shape}, {cache} cache, T={self.temperature:g}"
 

@@ -27,6 +27,7 @@ from ..core.generator import (
     drafter_name,
     generate,
     machine_name,
+    parse_trees,
     validate_prompt,
     with_texts,
 )
@@ -565,7 +566,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_pair,
         best_gamma,
         environment,
-        parse_trees,
         step_table,
         step_times,
         summary_by_setting,

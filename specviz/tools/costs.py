@@ -45,7 +45,7 @@ from statistics import median
 import torch
 
 from ..core.events import Run
-from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate
+from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate, tree_label
 from ..core.kvcache import KVState
 from ..core.theory import target_step_ms
 from ..models import contention, kernels
@@ -92,7 +92,7 @@ Shape = tuple[int, int, int]  # (γ: depth, branch: children per node, nodes ver
 
 
 def tree_key(drafter: str, shape: Shape, sampled: bool = False) -> str:
-    return f"{drafter} {shape[0]}x{shape[1]}:{shape[2]}" + (" sampled" if sampled else "")
+    return f"{drafter} {tree_label(*shape)}" + (" sampled" if sampled else "")
 
 
 def width(shape: Shape) -> int:
@@ -325,7 +325,7 @@ def _missing(widths: set[int], rounds: list[TreeRound]) -> str:
         parts.append("rounds of " + ", ".join(chains))
     trees: dict[str, list[str]] = {}
     for d, (gamma, branch, nodes), sampled in (t for t in rounds if t[1][1] > 1):
-        trees.setdefault(("sampled " if sampled else "") + d, []).append(f"{gamma}x{branch}:{nodes}")
+        trees.setdefault(("sampled " if sampled else "") + d, []).append(tree_label(gamma, branch, nodes))
     parts += [f"{kind} trees {', '.join(shapes)}" for kind, shapes in trees.items()]
     return "; ".join(parts)
 
