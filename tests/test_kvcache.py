@@ -228,3 +228,33 @@ def test_the_rope_and_cache_call_gives_the_bits_of_rotate_and_index_copy(t, D):
     assert torch.equal(k_ours, k_ref) and torch.equal(v_ours, v_ref)
     with pytest.raises(ValueError):
         native.rope_store_bf16(qkv.float(), cos, sin, slots, k_ours, v_ours, H)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_no_cache_runs_the_static_caches_forward_where_the_model_has_one(pattern_pair, arch, monkeypatch):
+    """`none` keeps no keys or values: for a Llama-family model each forward runs the whole text through the lean
+    forward the static cache runs (transformers' forward is never called), so the two kinds differ in the cache
+    alone, and a verify's logits and hidden states are the static cache's; other architectures run transformers'
+    forward over the whole text."""
+    from specviz.core.kvcache import LeanNoCacheBackend, NoCacheBackend, make_backend
+    from specviz.models.leanllama import LeanLlama
+
+    pair = pattern_pair(arch)
+    lean = LeanLlama.supports(pair.target)
+    assert lean == (arch == "llama")
+    backend = make_backend(pair.target, "none", 8)
+    assert isinstance(backend, LeanNoCacheBackend) == lean and isinstance(backend, NoCacheBackend)
+    V, prompt, verify = pair.vocab_size, words(0, 1, 2, 3), words(3, 4, 5)
+    out = {}
+    with torch.inference_mode():
+        for kind in ("static", "none"):
+            state = KVState(pair.target, 1, kind, V, capacity=12)
+            state.prefill([prompt], PAD)
+            if kind == "none" and lean:  # transformers' forward may not run: the lean one does
+                monkeypatch.setattr(type(pair.target), "forward", lambda *a, **k: pytest.fail("transformers' forward"))
+            got = state.forward(torch.tensor([verify]), [[True] * 3], hidden=True)
+            out[kind] = got.logits[0], got.hidden[0]
+            monkeypatch.undo()
+    assert out["none"][0].shape == (3, V) and out["none"][1].shape[0] == 3  # the new tokens' rows, not the text's
+    for ours, static in zip(out["none"], out["static"], strict=True):
+        torch.testing.assert_close(ours, static, atol=1e-5, rtol=1e-5)

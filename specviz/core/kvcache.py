@@ -12,7 +12,10 @@ Three kinds of storage behind the same slots (`CACHE_KINDS`):
   cache). For Llama-family models specviz runs its own lean forward over it (leanllama.py);
   for the others transformers' StaticCache, written at our length.
 - "dynamic": transformers' DynamicCache, cropped on rollback.
-- "none": no cache: every forward recomputes the whole sequence (what a KV cache buys).
+- "none": no cache: every forward recomputes the whole sequence (what a KV cache buys); for
+  Llama-family models through the same lean forward as the static cache, so the two differ in the
+  cache alone (and on a CPU without bf16 instructions not in transformers' bfloat16 forward, several
+  times slower there: README, "Speed").
 """
 
 from __future__ import annotations
@@ -160,6 +163,28 @@ class NoCacheBackend:
         self.ids[row, dst], self.positions[row, dst] = self.ids[row, src], self.positions[row, src]
 
 
+class LeanNoCacheBackend(NoCacheBackend):
+    """`none` for a Llama-family model: no keys or values kept; each forward runs the whole sequence through
+    specviz's lean forward (the static cache's kernels) into a cache made for that forward alone."""
+
+    def __init__(self, model: PreTrainedModel):
+        super().__init__(model)
+        self.lean = LeanLlama.of(model)
+
+    @torch.inference_mode()
+    def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
+        if self.ids is not None:
+            ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
+        self.ids, self.positions = ids, positions
+        lean, (rows, width), t = self.lean, ids.shape, real.shape[1] - start
+        layers = len(lean.layers)  # keys then values, [B, KV, W, D] a layer, written and read by this forward only
+        stack = lean.embed.weight.new_zeros((2 * layers, rows, lean.kv_heads, width, lean.head_dim))
+        mask, slots = slot_mask(real, 0, width, visible, start), torch.arange(width, device=ids.device)
+        logits, h = lean(ids, positions, mask, slots, list(stack[:layers].unbind()), list(stack[layers:].unbind()),
+                         width, True, hidden, last_only, t)
+        return logits, None if h is None else h[:, -t:]
+
+
 def _move_layers(layers, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
     """transformers' cache layers, keys and values [B, heads, slots, D]: one row's slots src -> dst."""
     for layer in layers:
@@ -174,17 +199,23 @@ BACKENDS: dict[str, Callable[[PreTrainedModel, int], Backend]] = {
     "none": lambda model, capacity: NoCacheBackend(model),
 }
 CACHE_KINDS = tuple(BACKENDS)
+# and for a Llama-family model (LeanLlama.supports), through specviz's lean forward: (model, capacity, compile)
+LEAN_BACKENDS: dict[str, Callable[[PreTrainedModel, int, bool], Backend]] = {
+    "static": lambda model, capacity, compile: LeanLlama.of(model).backend(capacity, compile),
+    "none": lambda model, capacity, compile: LeanNoCacheBackend(model),
+}
 
 
 def make_backend(model: PreTrainedModel, kind: str, capacity: int, compile: bool = False) -> Backend:
-    """The kind's storage; for a Llama-family model's static cache, specviz's lean forward (compiled if asked)."""
+    """The kind's storage; for a Llama-family model, specviz's lean forward where the kind has one (LEAN_BACKENDS;
+    the static cache's compiled if asked)."""
     if kind not in BACKENDS:
         raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {kind!r}")
-    lean = kind == "static" and LeanLlama.supports(model)
-    if compile and not lean:
+    lean = kind in LEAN_BACKENDS and LeanLlama.supports(model)
+    if compile and not (lean and kind == "static"):
         _warn_once(f"specviz: --compile applies to the static cache of Llama-family models; "
                    f"{model.config.model_type} with the {kind} cache runs eager")
-    return LeanLlama.of(model).backend(capacity, compile) if lean else BACKENDS[kind](model, capacity)
+    return LEAN_BACKENDS[kind](model, capacity, compile) if lean else BACKENDS[kind](model, capacity)
 
 
 @functools.cache

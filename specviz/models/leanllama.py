@@ -446,10 +446,10 @@ class LeanLlama(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], kv_len: int, packed: bool,
-                hidden: bool, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden: bool, last_only: bool = False, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions: [B, t] at cache slots `slots` [t]; mask: [B, 1, t, kv_len]. Attention
-        spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only)
-        and, if asked, the last hidden state [B, t, C]."""
+        spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only, [B, keep, V]
+        for the last `keep`) and, if asked, the last hidden state [B, t, C]."""
         x = self.embed(ids)  # [B, t, C]
         weights = self.native_weights(ids.numel()) if packed and in_c(x, whole_layers=True) else None
         if weights is None and not in_c(x):  # the C attention reads the boolean mask
@@ -463,7 +463,7 @@ class LeanLlama(nn.Module):
             for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
                 x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)
         x = rms_norm(x, self.norm.weight, self.eps)
-        return self.head(x[:, -1:] if last_only else x, packed), x if hidden else None
+        return self.head(x[:, -1:] if last_only else x[:, -keep:] if keep else x, packed), x if hidden else None
 
     def compiler(self):
         """The compiled forward (made once), or None with `compile_note` saying why not."""
