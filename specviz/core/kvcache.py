@@ -14,8 +14,8 @@ Three kinds of storage behind the same slots (`CACHE_KINDS`):
 - "dynamic": transformers' DynamicCache, cropped on rollback.
 - "none": no cache: every forward recomputes the whole sequence (what a KV cache buys); for
   Llama-family models through the same lean forward as the static cache, so the two differ in the
-  cache alone (and on a CPU without bf16 instructions not in transformers' bfloat16 forward, several
-  times slower there: README, "Speed").
+  cache alone (transformers' bfloat16 forward of a whole text is several times slower on a CPU without
+  bf16 instructions: README, "Speed").
 """
 
 from __future__ import annotations
