@@ -140,10 +140,15 @@ class NoCacheBackend:
         self.ids: torch.Tensor | None = None  # [B, W]
         self.positions: torch.Tensor | None = None
 
-    def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
+    def _whole(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The text so far with ids [B, t] appended (kept for the next forward): its ids and positions [B, W]."""
         if self.ids is not None:
             ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
         self.ids, self.positions = ids, positions
+        return ids, positions
+
+    def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
+        ids, positions = self._whole(ids, positions)
         t = real.shape[1] - start
         out = self.model(input_ids=ids, attention_mask=slot_mask(real, 0, real.shape[1], visible, start),
                          position_ids=positions,
@@ -173,9 +178,7 @@ class LeanNoCacheBackend(NoCacheBackend):
 
     @torch.inference_mode()
     def forward(self, ids, positions, real, start, hidden, last_only, visible=None):
-        if self.ids is not None:
-            ids, positions = torch.cat([self.ids, ids], 1), torch.cat([self.positions, positions], 1)
-        self.ids, self.positions = ids, positions
+        ids, positions = self._whole(ids, positions)
         lean, (rows, width), t = self.lean, ids.shape, real.shape[1] - start
         layers = len(lean.layers)  # keys then values, [B, KV, W, D] a layer, written and read by this forward only
         stack = lean.embed.weight.new_zeros((2 * layers, rows, lean.kv_heads, width, lean.head_dim))
