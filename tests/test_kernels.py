@@ -721,13 +721,17 @@ def test_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(r
         assert [ps(r) for r in alone] == [ps(r) for r in plain]  # the same bits, not only the same argmax
         batch = generate_batch(pair, [""] * 3, settings, prompts_ids=prompts)
         assert [ps(r) for r in batch] == [ps(r) for r in alone]
+        for cache in ("dynamic", "none"):  # the same forward over other storage: a grown cache, the text again
+            other = [generate(pair, "", dataclasses.replace(settings, cache=cache), prompt_ids=p) for p in prompts]
+            assert [ps(r) for r in other] == [ps(r) for r in alone]
     lean = LeanLlama.of(pair.target)
     assert {p for lin in lean.linears() for p in lin.paths.values()} == {"avx2"}
     # the layers ran in one call at every row count (bf16: `avx2` widening its numbers to float32 there)
     assert lean.native_plans and all(lean.native_plans.values())
     # what `specviz check` reads off the run: every row computed alone here, not with another cache or product
-    static, dynamic = (check.Case("eagle", 3, 2, 4, cache, False, 0.0) for cache in ("static", "dynamic"))
-    assert check.row_alone(pair, static) and not check.row_alone(pair, dynamic)
+    static, dynamic, compiled = (check.Case("eagle", 3, 2, 4, cache, comp, 0.0)
+                                 for cache, comp in (("static", False), ("dynamic", False), ("static", True)))
+    assert check.row_alone(pair, static) and check.row_alone(pair, dynamic) and not check.row_alone(pair, compiled)
     assert _bit_for_bit(pair).startswith("bit for bit: yes")  # what `specviz kernels` says
     monkeypatch.setitem(lean.head.paths, 7, "linear")  # ATen's product at one more row count
     assert not check.row_alone(pair, static)

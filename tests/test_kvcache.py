@@ -1,12 +1,23 @@
 """KV states of every kind: after appends, holes and rollbacks a row's next logits equal a fresh
 forward over that row's sequence alone (float32)."""
 
+import inspect
+
 import pytest
 import torch
 from conftest import ARCHS, PAD, words
 
 from specviz.core.generator import Settings, generate, generate_batch
-from specviz.core.kvcache import CACHE_KINDS, KVState
+from specviz.core.kvcache import (
+    CACHE_KINDS,
+    DynamicBackend,
+    KVState,
+    LeanDynamicBackend,
+    LeanNoCacheBackend,
+    NoCacheBackend,
+    make_backend,
+)
+from specviz.models.leanllama import LeanLlama
 
 
 def fresh_logits(model, ids: list[int], vocab: int) -> torch.Tensor:
@@ -82,14 +93,14 @@ def test_a_drafter_may_ask_for_the_targets_hidden_states(pattern_pair, kind, mon
 
     monkeypatch.undo()  # the plain lookup drafter again
     calls = []
-    original = pair.target.forward
+    original = LeanLlama.forward  # every kind's forward for a Llama-family model
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("output_hidden_states"))
-        return original(*args, **kwargs)
+    def spy(self, *args, **kwargs):
+        calls.append(inspect.signature(original).bind(self, *args, **kwargs).arguments["hidden"])
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(pair.target, "forward", spy)
-    generate(pair, "", Settings(gamma=3, drafter="lookup", max_new_tokens=6, cache="dynamic"), prompt_ids=prompt)
+    monkeypatch.setattr(LeanLlama, "forward", spy)
+    generate(pair, "", Settings(gamma=3, drafter="lookup", max_new_tokens=6, cache=kind), prompt_ids=prompt)
     assert calls and not any(calls)
 
 
@@ -230,31 +241,34 @@ def test_the_rope_and_cache_call_gives_the_bits_of_rotate_and_index_copy(t, D):
         native.rope_store_bf16(qkv.float(), cos, sin, slots, k_ours, v_ours, H)
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "none"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_no_cache_runs_the_static_caches_forward_where_the_model_has_one(pattern_pair, arch, monkeypatch):
-    """`none` keeps no keys or values: for a Llama-family model each forward runs the whole text through the lean
-    forward the static cache runs (transformers' forward is never called), so the two kinds differ in the cache
-    alone, and a verify's logits and hidden states are the static cache's; other architectures run transformers'
-    forward over the whole text."""
-    from specviz.core.kvcache import LeanNoCacheBackend, NoCacheBackend, make_backend
-    from specviz.models.leanllama import LeanLlama
-
+def test_every_cache_runs_the_static_caches_forward_where_the_model_has_one(pattern_pair, arch, kind, monkeypatch):
+    """For a Llama-family model `dynamic` (keys and values grown by each forward, cut on rollback) and `none` (none
+    kept: each forward runs the whole text) run the lean forward the static cache runs (transformers' forward is
+    never called), so the kinds differ in the cache alone, and a verify's logits and hidden states are the static
+    cache's, after a rollback too; other architectures run transformers' own (its DynamicCache; the whole text)."""
     pair = pattern_pair(arch)
     lean = LeanLlama.supports(pair.target)
     assert lean == (arch == "llama")
-    backend = make_backend(pair.target, "none", 8)
-    assert isinstance(backend, LeanNoCacheBackend) == lean and isinstance(backend, NoCacheBackend)
-    V, prompt, verify = pair.vocab_size, words(0, 1, 2, 3), words(3, 4, 5)
+    backend = make_backend(pair.target, kind, 8)
+    ours, theirs = {"dynamic": (LeanDynamicBackend, DynamicBackend), "none": (LeanNoCacheBackend, NoCacheBackend)}[kind]
+    assert isinstance(backend, ours if lean else theirs)
+    V, prompt, drafts, verify = pair.vocab_size, words(0, 1, 2, 3), words(3, 7, 8), words(3, 4, 5)
     out = {}
     with torch.inference_mode():
-        for kind in ("static", "none"):
-            state = KVState(pair.target, 1, kind, V, capacity=12)
+        for cache in ("static", kind):
+            state = KVState(pair.target, 1, cache, V, capacity=12)
             state.prefill([prompt], PAD)
-            if kind == "none" and lean:  # transformers' forward may not run: the lean one does
+            if cache == kind and lean:  # transformers' forward may not run: the lean one does
                 monkeypatch.setattr(type(pair.target), "forward", lambda *a, **k: pytest.fail("transformers' forward"))
+            start = state.width
+            state.forward(torch.tensor([drafts]), [[True] * 3])  # a verify whose drafts are all rejected
+            state.make_holes(0, start, start + 3)
+            state.trim()
             got = state.forward(torch.tensor([verify]), [[True] * 3], hidden=True)
-            out[kind] = got.logits[0], got.hidden[0]
+            out[cache] = got.logits[0], got.hidden[0]
             monkeypatch.undo()
-    assert out["none"][0].shape == (3, V) and out["none"][1].shape[0] == 3  # the new tokens' rows, not the text's
-    for ours, static in zip(out["none"], out["static"], strict=True):
-        torch.testing.assert_close(ours, static, atol=1e-5, rtol=1e-5)
+    assert out[kind][0].shape == (3, V) and out[kind][1].shape[0] == 3  # the new tokens' rows, not the text's
+    for mine, static in zip(out[kind], out["static"], strict=True):
+        torch.testing.assert_close(mine, static, atol=1e-5, rtol=1e-5)

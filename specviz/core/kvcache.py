@@ -11,11 +11,12 @@ Three kinds of storage behind the same slots (`CACHE_KINDS`):
 - "static": pre-allocated, written at a slot index; rolling back moves a length (gpt-fast's
   cache). For Llama-family models specviz runs its own lean forward over it (leanllama.py);
   for the others transformers' StaticCache, written at our length.
-- "dynamic": transformers' DynamicCache, cropped on rollback.
-- "none": no cache: every forward recomputes the whole sequence (what a KV cache buys); for
-  Llama-family models through the same lean forward as the static cache, so the two differ in the
-  cache alone (transformers' bfloat16 forward of a whole text is several times slower on a CPU without
-  bf16 instructions: README, "Speed").
+- "dynamic": grown by each forward's new slots (new storage, the old copied in) and cut on rollback,
+  as transformers' DynamicCache is; other architectures use that cache itself.
+- "none": no cache: every forward recomputes the whole sequence (what a KV cache buys).
+For Llama-family models all three run specviz's lean forward (leanllama.py), so they differ in the
+cache alone (transformers' bfloat16 forward is several times slower on a CPU without bf16
+instructions: README, "Speed").
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from ..models.leanllama import LeanLlama, slot_mask
+from ..models.leanllama import LeanCache, LeanLlama, slot_mask
 from .sampling import at_least_float32
 
 
@@ -188,6 +189,26 @@ class LeanNoCacheBackend(NoCacheBackend):
         return logits, None if h is None else h[:, -t:]
 
 
+class LeanDynamicBackend(LeanCache):
+    """`dynamic` for a Llama-family model: the lean forward over keys and values that each forward grows by its
+    new slots, into new storage with the old copied in, and a rollback cuts (transformers' DynamicCache's way)."""
+
+    def __init__(self, lean: LeanLlama):
+        super().__init__(lean, 0)
+
+    def _reserve(self, batch: int, need: int, like: torch.Tensor) -> None:
+        old, lean = self.stack, self.lean  # [2 layers, B, KV, slots, D]
+        have = 0 if old is None else old.shape[3]
+        if need > have:
+            grown = like.new_zeros((2 * len(lean.layers), batch if old is None else old.shape[1], lean.kv_heads,
+                                    need - have, lean.head_dim))
+            self._stacked(grown if old is None else torch.cat([old, grown], 3))
+
+    def crop(self, width: int) -> None:
+        if self.stack is not None and width < self.stack.shape[3]:
+            self._stacked(self.stack[:, :, :, :width])  # a view, as transformers crops; the next forward copies it
+
+
 def _move_layers(layers, row: int, src: torch.Tensor, dst: torch.Tensor) -> None:
     """transformers' cache layers, keys and values [B, heads, slots, D]: one row's slots src -> dst."""
     for layer in layers:
@@ -205,6 +226,7 @@ CACHE_KINDS = tuple(BACKENDS)
 # and for a Llama-family model (LeanLlama.supports), through specviz's lean forward: (model, capacity, compile)
 LEAN_BACKENDS: dict[str, Callable[[PreTrainedModel, int, bool], Backend]] = {
     "static": lambda model, capacity, compile: LeanLlama.of(model).backend(capacity, compile),
+    "dynamic": lambda model, capacity, compile: LeanDynamicBackend(LeanLlama.of(model)),
     "none": lambda model, capacity, compile: LeanNoCacheBackend(model),
 }
 

@@ -41,6 +41,7 @@ from torch._dynamo.utils import counters
 
 from ..core.events import Run
 from ..core.generator import Settings, encode_prompts, generate, generate_batch, tree_label
+from ..core.kvcache import LEAN_BACKENDS
 from ..models import kernels, native
 from ..models.leanllama import LeanLlama
 from ..models.loading import ModelPair
@@ -131,12 +132,13 @@ def one_family(lin) -> bool:
 
 def row_alone(pair: ModelPair, case: Case) -> bool:
     """Whether the case's numbers were all computed row by row alone, after it ran (the paths are chosen as row
-    counts come): the static cache, eager, on a CPU, attention through specviz's C kernel (a query's bits from
-    the keys it sees alone: leanllama.attend in bfloat16; in float32 only inside native.layers, so there every
-    product must have taken a path that call runs), and every product of the target and of the drafter through
-    paths of one `bits` family at every row count it took. Then a verify row, a tree node and a batch row carry
-    the bits of the plain step and of the prompt alone, and any difference is a bug."""
-    if (case.cache, case.compiled, pair.device.type) != ("static", False, "cpu") \
+    counts come): specviz's lean forward (any cache kind of a Llama-family model), eager, on a CPU, attention
+    through specviz's C kernel (a query's bits from the keys it sees alone: leanllama.attend in bfloat16; in
+    float32 only inside native.layers, so there every product must have taken a path that call runs), and every
+    product of the target and of the drafter through paths of one `bits` family at every row count it took. Then
+    a verify row, a tree node, a batch row and a text run again whole (`none`) carry the bits of the plain step
+    and of the prompt alone, and any difference is a bug."""
+    if case.cache not in LEAN_BACKENDS or case.compiled or pair.device.type != "cpu" \
             or pair.dtype not in (torch.bfloat16, torch.float32) or not native.runs_here():
         return False
     leans = [LeanLlama.of(m) for m in (pair.target, pair.draft if case.drafter == "model" else None)

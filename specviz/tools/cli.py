@@ -98,7 +98,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     g.add_argument("--cache", choices=list(CACHE_KINDS), default="static",
                    help="KV cache of both models: static (pre-allocated, rollback moves a length; default), "
-                        "dynamic (transformers' DynamicCache), none (recompute the whole sequence every forward)")
+                        "dynamic (grown at every forward, as transformers' DynamicCache), "
+                        "none (recompute the whole sequence every forward)")
     g.add_argument("--compile", action="store_true", default=compile_by_default(),
                    help="torch.compile the static cache's forward (Llama-family models; graphs cached on disk: "
                         "the first start compiles for a minute or two, later starts load them). Default: on if "

@@ -46,7 +46,8 @@ DRAFTER_CHOICES = [(kind.label, name) for name, kind in DRAFTER_KINDS.items()]
 POLICY_CHOICES = [("fixed", "fixed"), ("grow-shrink (+2 when all accepted, -1 on a rejection)", "grow-shrink"),
                   ("expected speedup (from measured α and costs)", "expected")]
 CACHE_CHOICES = [("static (pre-allocated; rollback moves a length)", "static"),
-                 ("dynamic (transformers' DynamicCache)", "dynamic"), ("none (recompute everything)", "none")]
+                 ("dynamic (grown at every pass, as transformers' DynamicCache)", "dynamic"),
+                 ("none (recompute everything)", "none")]
 
 
 def setting(name: str, default: float, whole: bool = False, least: float = 0) -> float:
