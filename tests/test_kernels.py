@@ -332,6 +332,44 @@ def test_auto_dtype_comes_from_the_measurement(fresh_tables):
     assert resolve_dtype("float32", torch.device("cpu")) == (torch.float32, "as asked")
 
 
+
+def test_a_model_on_transformers_forward_is_timed_as_it_runs(pattern_dirs, fresh_tables, monkeypatch):
+    """`auto` on a CPU for a model that runs transformers' forward (not the lean one): its forward is timed in both
+    dtypes (a one-layer model of its config, once per machine), not specviz's kernels, which it never takes: on an
+    AVX2 CPU GPT-2's decoding ran 5.6x slower in bfloat16, GPT-NeoX's 1.8x faster (BENCHMARKS.md). The
+    timings are kept; the model is priced as layers x (forward - head) + head; a Llama-family model still asks the
+    kernel table."""
+    from transformers import AutoConfig
+
+    from specviz.models import loading
+
+    cpu = torch.device("cpu")
+    (gpt2, _), (llama, _) = pattern_dirs("gpt2"), pattern_dirs("llama")
+    monkeypatch.setattr(kernels, "compare_dtypes", lambda *a, **k: pytest.fail("asked specviz's kernels"))
+    dtype, why = loading.choose_dtype(str(gpt2), "auto", cpu)
+    assert dtype in (torch.float32, torch.bfloat16)
+    assert "transformers' forward of gpt2 (3 layers, priced from one)" in why
+    cfg = AutoConfig.from_pretrained(gpt2)
+    key = next(k for k in kernels.table(torch.float32).calls if k.startswith("transformers gpt2 "))
+    for dt in (torch.float32, torch.bfloat16):  # kept, for both row counts
+        assert set(kernels.table(dt).calls[key]) == {"1", "3"}
+        assert all(set(c) == {"forward", "head"} for c in kernels.table(dt).calls[key].values())
+    # a later start reads them: nothing is built or timed again, and the stored numbers decide
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_config", lambda *a, **k: pytest.fail("timed again"))
+    for dt, (forward, head) in ((torch.float32, (2.0, 1.0)), (torch.bfloat16, (2.5, 0.2))):
+        kernels.table(dt).calls[key] = {r: {"forward": forward, "head": head} for r in ("1", "3")}
+    # one layer and its head: bf16 2.5 ms against 2.0; the model's 3 layers: 3 x 2.3 + 0.2 = 7.1 against 4.0 each
+    assert loading.compare_forwards(cfg) == (torch.float32, "float32: transformers' forward of gpt2 (3 layers, priced "
+                                             "from one) at 1+3 rows costs 8.0 ms against 14.2 ms in bfloat16 on this "
+                                             "CPU (bfloat16 is not faster here)")
+    kernels.table(torch.bfloat16).calls[key] = {r: {"forward": 0.5, "head": 0.2} for r in ("1", "3")}
+    assert loading.compare_forwards(cfg)[0] == torch.bfloat16
+    assert loading.choose_dtype(str(gpt2), "float32", cpu) == (torch.float32, "as asked")
+    if "onednn" in kernels.unavailable(torch.bfloat16):  # no bf16 instructions: said for this forward
+        assert "runs transformers' forward" in loading.choose_dtype(str(gpt2), "bfloat16", cpu)[1]
+    monkeypatch.setattr(kernels, "compare_dtypes", lambda out, inp, rows, progress=None: (torch.float32, "kernels"))
+    assert loading.choose_dtype(str(llama), "auto", cpu) == (torch.float32, "auto: kernels")
+
 FORCED = """
 import sys, torch
 from specviz.models import kernels

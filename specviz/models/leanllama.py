@@ -349,9 +349,13 @@ class LeanLlama(nn.Module):
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
-        cfg = model.config
         spread = len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1  # accelerate's layers
-        return (cfg.model_type in SUPPORTED and getattr(cfg, "hidden_act", "silu") == "silu" and not spread
+        return LeanLlama.supports_config(model.config) and not spread
+
+    @staticmethod
+    def supports_config(cfg) -> bool:
+        """Whether a model of this config runs the lean forward (on one device), known before it loads."""
+        return (cfg.model_type in SUPPORTED and getattr(cfg, "hidden_act", "silu") == "silu"
                 and not getattr(cfg, "use_sliding_window", False) and not getattr(cfg, "mlp_bias", False))
 
     @classmethod

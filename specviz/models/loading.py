@@ -8,10 +8,14 @@ cache folder (SPECVIZ_CACHE, default ~/.cache/specviz), and later loads read tha
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from . import kernels
+from . import contention, kernels
 from .cachedir import cache_root, locked
 from .eagle import EagleHead, check_head_folder
 from .leanllama import LeanLlama
@@ -187,11 +191,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tuple[int, int] | None = None,
-                  progress: Progress = _quiet, rows: tuple[int, ...] = (1, 3)) -> tuple[torch.dtype, str]:
+                  progress: Progress = _quiet, rows: tuple[int, ...] = (1, 3), hf_config=None
+                  ) -> tuple[torch.dtype, str]:
     """(dtype, why). auto: on a CPU, whichever of bfloat16 and float32 runs the model's largest
     matrix (head_shape, out x in) faster here at these row counts (a step and a verify pass; a batch's
-    rows for batched generation), measured once (kernels.compare_dtypes); bfloat16 on a GPU that
-    computes it natively, else float16; float16 on mps."""
+    rows for batched generation), measured once (kernels.compare_dtypes); for a model that runs
+    transformers' forward, not specviz's lean one (hf_config, its config), that forward (compare_forwards);
+    bfloat16 on a GPU that computes it natively, else float16; float16 on mps."""
     if isinstance(dtype, torch.dtype):
         return dtype, "as asked"
     if dtype != "auto":
@@ -204,7 +210,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tu
         if device.type == "cpu" and chosen == torch.bfloat16:
             if "onednn" in kernels.unavailable(chosen):
                 why = ("as asked; this CPU has no bf16 matrix instructions, so bfloat16 runs through kernels "
-                       "that widen it to float32 as they read it (`auto` measures which dtype is faster here)")
+                       "that widen it to float32 as they read it" if hf_config is None else
+                       "as asked; this CPU has no bf16 matrix instructions, and this model runs transformers' "
+                       "forward, whose bfloat16 speed here depends on how the architecture lays out its products")
+                why += " (`auto` measures which dtype is faster here)"
         return chosen, why
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -212,10 +221,69 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tu
             torch.float16, "auto: the GPU has no native bfloat16")
     if device.type == "mps":
         return torch.float16, "auto: float16 on mps"
+    if hf_config is not None:
+        chosen, why = compare_forwards(hf_config, rows, progress)
+        return chosen, "auto: " + why
     if head_shape is None:
         return torch.float32, "auto: float32 (no model shape to measure with)"
     chosen, why = kernels.compare_dtypes(*head_shape, rows=rows, progress=progress)
     return chosen, "auto: " + why
+
+
+FORWARD_REPEATS = 5  # compare_forwards: timed calls per dtype and row count (after one to warm up); the fastest counts
+
+
+def compare_forwards(cfg, rows: tuple[int, ...] = (1, 3), progress: Progress = _quiet) -> tuple[torch.dtype, str]:
+    """(dtype, why) for a model that runs transformers' forward on a CPU: bfloat16 if it runs faster than float32
+    here. Which dtype ATen computes faster depends on the CPU and on how the architecture lays out its products
+    (GPT-2's transposed Conv1D weights take a slow bfloat16 path on a CPU without bf16 instructions, F.linear's
+    do not), so a model of this config with one layer and random weights is timed in both dtypes at these row
+    counts, once per machine (stored in the kernel tables' `calls`), its output head apart, and the model priced
+    as layers x (forward - head) + head."""
+    small = copy.deepcopy(cfg)
+    small.num_hidden_layers = 1
+    shape = json.dumps({k: v for k, v in small.to_dict().items() if k not in ("_name_or_path", "transformers_version")},
+                       sort_keys=True, default=str)  # the architecture, not where it was read from
+    key = f"transformers {cfg.model_type} {hashlib.sha1(shape.encode()).hexdigest()[:12]}"
+    dtypes = (torch.float32, torch.bfloat16)
+    if any(str(r) not in kernels.table(dt).calls.get(key, {}) for dt in dtypes for r in rows):
+        progress(f"timing transformers' forward of {cfg.model_type} in float32 and bfloat16 (once; one layer)...")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small).eval()  # float32, random weights
+        models = {torch.float32: model, torch.bfloat16: copy.deepcopy(model).to(torch.bfloat16)}
+
+        @torch.inference_mode()
+        def time_them() -> dict[tuple, list[float]]:
+            times: dict[tuple, list[float]] = {}
+            for repeat in range(FORWARD_REPEATS + 1):  # dtypes and row counts interleaved; the first warms up
+                for dt, m in models.items():
+                    for r in rows:
+                        ids, h = torch.zeros(1, r, dtype=torch.long), torch.randn(1, r, cfg.hidden_size, dtype=dt)
+                        start = time.perf_counter()
+                        m(input_ids=ids, use_cache=False)
+                        middle = time.perf_counter()
+                        m.get_output_embeddings()(h)
+                        end = time.perf_counter()
+                        if repeat:
+                            times.setdefault((dt, r, "forward"), []).append(1000 * (middle - start))
+                            times.setdefault((dt, r, "head"), []).append(1000 * (end - middle))
+            return times
+
+        times, _ = contention.quietest(time_them)  # timed again while other programs take much of the CPU
+        for dt in dtypes:
+            for r in rows:
+                kernels.keep_call(dt, key, r, {part: min(times[dt, r, part]) for part in ("forward", "head")})
+    ms = {}
+    for dt in dtypes:
+        timed = [kernels.table(dt).calls[key][str(r)] for r in rows]
+        ms[dt] = sum(cfg.num_hidden_layers * (c["forward"] - c["head"]) + c["head"] for c in timed)
+    fp32, bf16 = ms[torch.float32], ms[torch.bfloat16]
+    label = (f"transformers' forward of {cfg.model_type} ({cfg.num_hidden_layers} layers, priced from one) at "
+             f"{'+'.join(map(str, rows))} rows")
+    if bf16 < 0.9 * fp32:
+        return torch.bfloat16, f"bfloat16: {label} costs {bf16:.1f} ms against {fp32:.1f} ms in float32 on this CPU"
+    return torch.float32, (f"float32: {label} costs {fp32:.1f} ms against {bf16:.1f} ms in bfloat16 on this CPU "
+                           "(bfloat16 is not faster here)")
 
 
 # --- the offline models ----------------------------------------------------------------------
@@ -407,8 +475,7 @@ def load_pair(
     if head and head != OFFLINE_HEAD:
         check_head_folder(head)  # before the models load
     dev = resolve_device(device)
-    measure = dtype == "auto" and dev.type == "cpu"
-    dt, dtype_why = resolve_dtype(dtype, dev, head_shape(target, progress) if measure else None, progress)
+    dt, dtype_why = choose_dtype(target, dtype, dev, progress)
     target_model, target_tok = load_model(target, dev, dt, progress, spread=True)
     draft_model, draft_tok = load_model(draft, dev, dt, progress)
     check_same_tokenizer(target_tok, draft_tok, target, draft)
@@ -439,13 +506,19 @@ def load_pair(
     return pair
 
 
-def head_shape(ref: str, progress: Progress) -> tuple[int, int] | None:
-    """(vocabulary, hidden size) of a model's output head from its config, or None if unreadable."""
+def choose_dtype(ref: str, dtype: str | torch.dtype, device: torch.device, progress: Progress = _quiet,
+                 rows: tuple[int, ...] = (1, 3)) -> tuple[torch.dtype, str]:
+    """resolve_dtype for the model at ref, from its config read before it loads (on a CPU: its output head's
+    shape, and whether it runs specviz's lean forward or transformers')."""
+    if device.type != "cpu" or isinstance(dtype, torch.dtype):
+        return resolve_dtype(dtype, device, None, progress, rows)
     try:
         cfg = AutoConfig.from_pretrained(resolve_model_path(ref, progress), trust_remote_code=False)
-        return int(cfg.vocab_size), int(cfg.hidden_size)
+        shape = int(cfg.vocab_size), int(cfg.hidden_size)
     except (OSError, ValueError, AttributeError, TypeError):
-        return None
+        return resolve_dtype(dtype, device, None, progress, rows)
+    hf = None if LeanLlama.supports_config(cfg) else cfg
+    return resolve_dtype(dtype, device, shape if dtype == "auto" else None, progress, rows, hf)
 
 
 def lean_linears(pair: ModelPair) -> list:

@@ -30,7 +30,7 @@ from ..core.drafters import Columns
 from ..core.kvcache import KVState, on_device
 from ..models import kernels
 from ..models.eagle import EagleHead, HeadConfig
-from ..models.loading import encode_prompt, eos_ids_of, head_shape, load_model, resolve_device, resolve_dtype
+from ..models.loading import choose_dtype, encode_prompt, eos_ids_of, load_model, resolve_device
 from .prompts import training_prompts
 
 Progress = Callable[[str], None]
@@ -593,8 +593,7 @@ def _target_and_prompts(cfg: DistillConfig, kind: str, progress: Progress):
                  f"{held} (more answers per prompt: --temperatures, --new-tokens)")
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    dtype, why = resolve_dtype("auto", device, head_shape(cfg.target, progress), progress,
-                               rows=(kernels.timed_rows(cfg.gen_batch),))
+    dtype, why = choose_dtype(cfg.target, "auto", device, progress, rows=(kernels.timed_rows(cfg.gen_batch),))
     progress(f"data: {why}")
     target, tokenizer = load_model(cfg.target, device, dtype, progress)
     vocab_size = min(target.get_output_embeddings().weight.shape[0], len(tokenizer))
