@@ -332,7 +332,6 @@ def test_auto_dtype_comes_from_the_measurement(fresh_tables):
     assert resolve_dtype("float32", torch.device("cpu")) == (torch.float32, "as asked")
 
 
-
 def test_a_model_on_transformers_forward_is_timed_as_it_runs(pattern_dirs, fresh_tables, monkeypatch):
     """`auto` on a CPU for a model that runs transformers' forward (not the lean one): its forward is timed in both
     dtypes (a one-layer model of its config, once per machine), not specviz's kernels, which it never takes: on an
