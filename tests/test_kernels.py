@@ -335,7 +335,7 @@ def test_auto_dtype_comes_from_the_measurement(fresh_tables):
 def test_a_model_on_transformers_forward_is_timed_as_it_runs(pattern_dirs, fresh_tables, monkeypatch):
     """`auto` on a CPU for a model that runs transformers' forward (not the lean one): its forward is timed in both
     dtypes (a one-layer model of its config, once per machine), not specviz's kernels, which it never takes: on an
-    AVX2 CPU GPT-2's decoding ran 5.6x slower in bfloat16, GPT-NeoX's 1.8x faster (BENCHMARKS.md). The
+    AVX2 CPU GPT-2's decoding ran 5.6-5.7x slower in bfloat16, GPT-NeoX's 1.8x faster (BENCHMARKS.md). The
     timings are kept; the model is priced as layers x (forward - head) + head; a Llama-family model still asks the
     kernel table."""
     from transformers import AutoConfig
