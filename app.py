@@ -262,6 +262,7 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     race_btn.click(handlers.race, runs_state, race_box, api_visibility="private")
     preset.change(handlers.preset_changed, [preset, temperature],
                   [custom_target, custom_draft, drafter, gamma, gamma_policy, branch, nodes], api_visibility="private")
+    drafter.input(handlers.drafter_picked, [drafter, branch], [branch, nodes, status], api_visibility="private")
     temperature.input(handlers.temperature_changed, [preset, temperature, drafter, gamma, branch, nodes],
                       [drafter, gamma, branch, nodes, status], api_visibility="private")
     projector.change(None, projector, None, js=PROJECTOR_JS)

@@ -145,8 +145,24 @@ def test_a_preset_brings_its_first_run_settings(monkeypatch):
     assert (branch["value"], nodes["value"]) == (offline.branch, offline.nodes)
     assert (drafter["value"], gamma["value"], policy["value"]) == (offline.drafter, offline.gamma, offline.gamma_policy)
     assert (app.FIRST_RUN.drafter, app.FIRST_RUN.gamma) == (offline.drafter, offline.gamma)
-    custom_target, *_ = app.preset_changed(app.CUSTOM)
+    custom_target, _, drafter, gamma, policy, branch, nodes = app.preset_changed(app.CUSTOM)
     assert custom_target["visible"] is True
+    # a custom pair has no EAGLE head: its draft model drafts, a chain (not the head's tree a preset left)
+    assert (drafter["value"], branch["value"], nodes["value"]) == ("model", 1, 0)
+
+
+def test_a_chain_drafter_picked_turns_a_tree_into_a_chain():
+    """Picking the draft model or prompt lookup while the controls ask for a tree (the offline preset's first run
+    here may) would fail the next Run ("drafts chains"): one child per draft instead, said in the status."""
+    from specviz.ui import handlers
+
+    skip = handlers.gr.skip()
+    for drafter in ("model", "lookup"):
+        branch, nodes, status = handlers.drafter_picked(drafter, 2)
+        assert (branch["value"], nodes["value"]) == (1, 0) and "drafts chains" in status
+        assert handlers.drafter_picked(drafter, 1) == [skip] * 3  # a chain already: left as it is
+    for drafter in ("eagle", "lookup+eagle"):  # these draft trees
+        assert handlers.drafter_picked(drafter, 3) == [skip] * 3
 
 
 def test_the_app_leaves_a_core_to_a_browser_on_this_machine(monkeypatch):

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import gradio as gr
 
 from ..core.events import Run, load_runs
+from ..core.generator import DRAFTER_KINDS
 from ..models.loading import PRESETS, ModelPair
 from ..tools.lossless import exact_check, float32_recheck, sample_check_live
 from ..tools.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
@@ -368,10 +369,24 @@ def temperature_changed(preset, temperature, drafter, gamma, branch, nodes):
     return [*(gr.update(value=v) for v in now), note]
 
 
+def drafter_picked(drafter, branch):
+    """A drafter that drafts chains only (the draft model, prompt lookup) picked while the controls ask for a tree:
+    the tree becomes a chain (one child per draft, every draft verified), and the status says so."""
+    kind = DRAFTER_KINDS.get(drafter)
+    if kind is None or kind.trees or (branch or 1) <= 1:
+        return [gr.skip()] * 3
+    name = kind.label.split(" (")[0]
+    return [gr.update(value=1), gr.update(value=0),
+            note_html(f"{name[0].upper()}{name[1:]} drafts chains: children per draft is now 1 (a tree needs the "
+                      "EAGLE head).")]
+
+
 def preset_changed(preset, temperature=0.0):
-    """Custom boxes shown for a custom pair; a preset's first-run settings (drafter, γ, policy), for
-    sampling if the temperature is above 0."""
+    """Custom boxes shown for a custom pair, whose draft model drafts (it has no EAGLE head), in chains; a
+    preset's first-run settings (drafter, γ, policy), for sampling if the temperature is above 0."""
     boxes = [gr.update(visible=preset == CUSTOM)] * 2
+    if preset == CUSTOM:
+        return [*boxes, gr.update(value="model"), gr.skip(), gr.skip(), gr.update(value=1), gr.update(value=0)]
     if preset not in PRESETS:
         return [*boxes, *[gr.skip()] * 5]
     drafter, gamma, branch, nodes, _ = first_run_values(preset, temperature > 0)
