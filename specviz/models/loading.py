@@ -277,13 +277,9 @@ def compare_forwards(cfg, rows: tuple[int, ...] = (1, 3), progress: Progress = _
     for dt in dtypes:
         timed = [kernels.table(dt).calls[key][str(r)] for r in rows]
         ms[dt] = sum(cfg.num_hidden_layers * (c["forward"] - c["head"]) + c["head"] for c in timed)
-    fp32, bf16 = ms[torch.float32], ms[torch.bfloat16]
     label = (f"transformers' forward of {cfg.model_type} ({cfg.num_hidden_layers} layers, priced from one) at "
              f"{'+'.join(map(str, rows))} rows")
-    if bf16 < 0.9 * fp32:
-        return torch.bfloat16, f"bfloat16: {label} costs {bf16:.1f} ms against {fp32:.1f} ms in float32 on this CPU"
-    return torch.float32, (f"float32: {label} costs {fp32:.1f} ms against {bf16:.1f} ms in bfloat16 on this CPU "
-                           "(bfloat16 is not faster here)")
+    return kernels.faster_dtype(label, ms[torch.float32], ms[torch.bfloat16], digits=1)
 
 
 # --- the offline models ----------------------------------------------------------------------

@@ -408,7 +408,7 @@ def training_dtype(device: torch.device, width: int, intermediate: int,
         x = torch.randn(64, width, device=device, requires_grad=True)
         fp32, bf16 = step_ms(lin, x, False), step_ms(lin, x, True)
     label = f"a {width}x{intermediate} training product costs {{:.1f}} ms against {{:.1f}} ms"
-    if bf16 < 0.9 * fp32:
+    if bf16 < kernels.BF16_MARGIN * fp32:
         return torch.bfloat16, "bfloat16 autocast: " + label.format(bf16, fp32) + " in float32 here"
     return torch.float32, "float32: " + label.format(fp32, bf16) + " in bfloat16 here"
 
