@@ -256,9 +256,10 @@ class EagleDrafter:
     """Drafts with a feature-level head (eagle.py) that reads the target's own hidden states.
 
     The head holds one entry per position 0..L-2 of each row, (f_i, x_{i+1}), and the target's
-    features f arrive with each verify pass. `verified` keeps the kept positions' features as
-    pending; the next `propose` writes their entries in one head forward (rows right-aligned,
-    short rows padded into a scratch slot), whose last output gives q for d_1; each further
+    features f arrive with the prefill and each verify pass. `start` writes the prompt's entries (the head's
+    own prefill, timed with the target's); `verified` keeps the kept positions' features as pending, and the
+    next `propose` writes their entries in one head forward (rows right-aligned, short rows padded into a
+    scratch slot), whose last output gives q for d_1; each further
     step feeds the head its own output with the drafted token. Drafted entries sit after the real
     ones and are forgotten by not moving the length. q lives on the head's reduced vocabulary and
     is 0 elsewhere: the acceptance rule stays exact (a token q cannot draft comes from the
@@ -275,19 +276,25 @@ class EagleDrafter:
         self.branch, self.nodes = branch, nodes  # children per node (1: a chain); nodes kept (0: all drafted)
         self.cache: HeadCache | None = None
         self.pending: list[torch.Tensor] = []  # per row: [n, F] features whose entries are not written yet
+        self.root: tuple[torch.Tensor, torch.Tensor] | None = None  # (h, logits) of start's entries, for round 1
 
     def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:
         self.cache = HeadCache(self.head, len(prompts), self.capacity, like=hidden, compile=self.compile)
         self.device = hidden.device
         width = hidden.shape[1]
         self.pending = [hidden[row, width - (len(p) - 1) :] for row, p in enumerate(prompts)]  # f_0..f_{P-2}
+        self.root = self._catch_up(prompts, 0)  # the prompt's entries now: a long prompt's cost is prefill's
 
     def _catch_up(self, seqs: list[list[int]], reserve: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Write the pending entries; (h [B, 1, D], logits [B, N]) of each row's last one, or None."""
+        """Write the pending entries, with room for `reserve` drafted ones after them; (h [B, 1, D], logits
+        [B, N]) of each row's last entry: the new one's, or where none was pending the one `start` wrote (None
+        where no row has an entry)."""
         cache, widths = self.cache, [len(f) for f in self.pending]
         width = max(widths)
         if width == 0:
-            return None
+            cache.reserve(max(cache.lengths) + reserve)
+            root, self.root = self.root, None
+            return root
         cache.reserve(max(n + length for n, length in zip(widths, cache.lengths, strict=True)) + reserve)
         feats = self.pending[0].new_zeros(len(seqs), width, self.pending[0].shape[-1])  # [B, w, F]
         host = []  # per row, right-aligned: [token ids, positions, slots]; a hole: pad at position 0, the scratch
@@ -422,6 +429,9 @@ class EagleDrafter:
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
         self.pending = [self.pending[r] for r in rows]
+        if self.root is not None:
+            index = on_device(rows, self.device)
+            self.root = self.root[0][index], self.root[1][index]
 
     def cache_lens(self) -> list[int]:
         return list(self.cache.lengths)
