@@ -132,6 +132,25 @@ def test_lookup_then_eagle_copies_where_the_answer_repeats_the_prompt(app_url):
     assert stat(stats, "rounds drafted by prompt lookup") == f"{copied} of {len(spec.events)}"
 
 
+def test_the_status_says_what_a_run_waits_for(monkeypatch):
+    """Before the first round shows, the status says what the wait is: "loading models…" only while the pair
+    loads, then the speculative run's prefill with the prompt's length (seconds for a long prompt on a CPU, which
+    read "loading models…" before), and at its last round the baseline's prefill, which follows."""
+    from specviz.ui import handlers
+    from specviz.ui import page as ui_page
+
+    monkeypatch.setattr(ui_page, "_pairs", {})  # nothing loaded yet
+    page = ui_page.Page(prompt="The future of AI", max_new_tokens=4, compare=True, drafter="model", gamma=2)
+    for first_run in (True, False):
+        outputs = list(handlers.run(page))
+        statuses = [html.unescape(re.sub("<[^>]+>", "", out[0])) for out in outputs]
+        spec, base = load_runs(outputs[-1][-4])
+        prefill = f"prefill ({len(spec.meta.prompt_ids)} prompt tokens)…"
+        assert statuses[: 1 + first_run] == ["loading models…"] * first_run + [f"speculative: {prefill}"]
+        assert f"speculative: round {len(spec.events)}, 4 tokens; baseline: {prefill}" in statuses
+        assert statuses[-1].startswith("done: 4 tokens") and base.n_tokens == 4
+
+
 def test_a_preset_brings_its_first_run_settings(monkeypatch):
     """Before this machine's first run is measured, a preset brings its own settings (measured ones: test_costs;
     another test's app may have measured them already in this process)."""

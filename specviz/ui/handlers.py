@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import gradio as gr
 
 from ..core.events import Run, load_runs
-from ..core.generator import DRAFTER_KINDS
+from ..core.generator import DRAFTER_KINDS, encode_prompts
 from ..models.loading import PRESETS, ModelPair
 from ..tools.lossless import exact_check, float32_recheck, sample_check_live
 from ..tools.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
@@ -57,12 +57,12 @@ except ImportError:  # elsewhere every model call on one thread (device.py: CUDA
 FAILURES = (ValueError, OSError, RuntimeError)  # what a request can do wrong: shown in the page, never raised
 
 
-def open_stream(page: Page, settings) -> tuple[ModelPair, Iterator[Update]]:
+def open_stream(page: Page, settings, prompt_ids: list[int] | None = None) -> tuple[ModelPair, Iterator[Update]]:
     """The pair and its stream, the request checked against the pair before anything is shown."""
     check_request(page.prompt, settings)
     pair = page.pair()
-    updates = stream(pair, page.prompt, settings, compare=bool(page.compare), time_limit_s=TIME_LIMIT_S,
-                     trace_dir=trace_dir())
+    updates = stream(pair, page.prompt, settings, compare=bool(page.compare), prompt_ids=prompt_ids,
+                     time_limit_s=TIME_LIMIT_S, trace_dir=trace_dir())
     first = next(updates)
     return pair, _chained(first, updates)
 
@@ -77,13 +77,20 @@ def draft_note(pair: ModelPair, settings) -> str:
     return f"Draft note: {pair.draft_note}. " if pair.draft_note and settings.drafter == "model" else ""
 
 
-def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None):
+def prefilling(mode: str, prompt_ids: list[int]) -> str:
+    """The status while a run reads its prompt (seconds for a long one on a CPU, before any round shows)."""
+    return f"{mode}: prefill ({len(prompt_ids):,} prompt tokens)…"
+
+
+def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None,
+           baseline_next: bool = False):
     """The page every UPDATE_S at most, and at each run's last round, until the runs finish: every round shows,
     several at once when they come faster (drawn every round, a 64-token comparison that decodes in 1-2 s kept
     a 2-core CPU's browser busy for 18-21 CPU-seconds: `bench-page`, BENCHMARKS.md). The five charts under the
     streams are redrawn every CHARTS_S at most and at each run's last round: the browser lays out each of them
     anew at every redraw, on the CPU the decode runs on. `against`: for a run with the machine's choice, the
-    speedup it measured against the expected one (page.measured_against), said when the baseline has run."""
+    speedup it measured against the expected one (page.measured_against), said when the baseline has run.
+    baseline_next: the baseline runs after the speculative run (its prefill is said when that one ends)."""
     drawn = charted = -math.inf  # the first round is drawn at once, charts included
     for update in updates:
         if isinstance(update, RoundDone):
@@ -96,7 +103,9 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
             if event.finish_reason or time.perf_counter() - drawn >= UPDATE_S:
                 drawn = time.perf_counter()
                 what = f"round {event.index + 1}, " if speculative else ""
-                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens")
+                then = f"; {prefilling('baseline', update.run.meta.prompt_ids)}" \
+                    if speculative and event.finish_reason and baseline_next else ""
+                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens{then}")
                 with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
                 if with_charts:
                     charted = drawn
@@ -118,16 +127,21 @@ def run(page: Page, request=None):
     try:
         settings = page.settings()
         check_request(page.prompt, settings)
-        view.status = note_html("loading models…")
-        yield view.outputs(final=False)
-        pair, updates = open_stream(page, settings)
+        loaded = page.pair_loaded()
+        if not loaded:
+            view.status = note_html("loading models…")
+            yield view.outputs(final=False)
+        prompt_ids = encode_prompts(page.pair(), [page.prompt], settings)[0]
+        view.status = note_html(prefilling("speculative", prompt_ids))
+        yield view.outputs(final=False, with_charts=loaded)  # the last run's charts go with the first yield
+        pair, updates = open_stream(page, settings, prompt_ids)
     except FAILURES as err:
         view.status = error_html(f"Error: {err}")
         yield view.outputs()
         return
     SERVED["runs"] += 1
     yield from follow(view, updates, draft_note(pair, settings),
-                      measured_against(page.preset, not settings.sampling.greedy))
+                      measured_against(page.preset, not settings.sampling.greedy), bool(page.compare))
 
 
 # --- step mode -----------------------------------------------------------------------------------
@@ -153,7 +167,8 @@ def step(page: Page, request=None, within_round: bool = False):
                 return View(status=error_html(f"Error: {err}")).outputs()
             first = next(updates)
             SERVED["runs"] += 1
-            stepper = Stepper(spec=first.run, updates=_chained(first, updates), note=draft_note(pair, settings))
+            stepper = Stepper(spec=first.run, updates=_chained(first, updates), note=draft_note(pair, settings),
+                              compare=bool(page.compare))
             stepping.keep(request, stepper)
     stepper.next_round()
     return _stepper_outputs(stepper, page.show_rounds)
@@ -193,7 +208,7 @@ def continue_run(show_rounds, request: gr.Request = None):
         return
     view = View(spec=stepper.spec, base=stepper.base, show_rounds=bool(show_rounds))
     if stepper.updates is not None:  # Stop cancels between rounds and leaves the rest to step through
-        for outputs in follow(view, stepper.updates, stepper.note):
+        for outputs in follow(view, stepper.updates, stepper.note, baseline_next=stepper.compare):
             stepper.spec, stepper.base = view.spec, view.base
             yield outputs
         stepper.updates = None

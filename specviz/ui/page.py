@@ -166,6 +166,9 @@ class Page:
     def pair(self, dtype: str = "auto") -> ModelPair:
         return get_pair(self.preset, self.custom_target or "", self.custom_draft or "", dtype)
 
+    def pair_loaded(self) -> bool:
+        return pair_loaded(self.preset, self.custom_target or "", self.custom_draft or "")
+
 
 def check_request(prompt: str, settings: Settings) -> None:
     """What this server accepts, beyond what the library does (ValueError otherwise)."""
@@ -219,18 +222,26 @@ _pairs: dict[tuple[str, str, str], ModelPair] = {}
 _pairs_lock = threading.Lock()
 
 
-def get_pair(preset: str, custom_target: str, custom_draft: str, dtype: str = "auto") -> ModelPair:
-    """Load a pair once and keep it: the default preset, plus the last other pair (or dtype) asked for."""
+def _pair_key(preset: str, custom_target: str, custom_draft: str, dtype: str) -> tuple[tuple[str, str, str], dict]:
+    """The key a pair is kept under, and load_pair's arguments for it (ValueError for a pair not to be had)."""
     if preset == CUSTOM and PUBLIC:
         raise ValueError("custom models are turned off on this public server; pick a preset")
     if preset == CUSTOM:
         if not custom_target.strip() or not custom_draft.strip():
             raise ValueError("a custom pair needs both a target id and a draft id")
-        key, kwargs = (custom_target.strip(), custom_draft.strip(), dtype), {"dtype": dtype}
-    else:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-        key, kwargs = (PRESETS[preset].target, PRESETS[preset].draft, dtype), {"preset": preset, "dtype": dtype}
+        return (custom_target.strip(), custom_draft.strip(), dtype), {"dtype": dtype}
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    return (PRESETS[preset].target, PRESETS[preset].draft, dtype), {"preset": preset, "dtype": dtype}
+
+
+def pair_loaded(preset: str, custom_target: str, custom_draft: str, dtype: str = "auto") -> bool:
+    return _pair_key(preset, custom_target, custom_draft, dtype)[0] in _pairs
+
+
+def get_pair(preset: str, custom_target: str, custom_draft: str, dtype: str = "auto") -> ModelPair:
+    """Load a pair once and keep it: the default preset, plus the last other pair (or dtype) asked for."""
+    key, kwargs = _pair_key(preset, custom_target, custom_draft, dtype)
     with _pairs_lock:
         if key not in _pairs:
             kwargs["progress"] = log.info  # converting, measuring kernels: on the server's console
