@@ -361,14 +361,20 @@ def test_cli_distill_eagle_then_generate(pattern_dirs, eagle_dirs, tmp_path, cap
 
 def test_the_heads_prompt_entries_are_written_with_the_prefill(eagle_pair, monkeypatch):
     """EagleDrafter.start writes the prompt's entries, so the head's own prefill is timed with the target's (a
-    long prompt's was the first round's drafting, which the page and the cost notes read): every round then
-    feeds the head only the last verification's features and its drafts, the first round its drafts alone; the
-    run still decodes the baseline's tokens."""
+    long prompt's was the first round's drafting, which the page and the cost notes read), with logits for the
+    last entry alone (a 1,769-token prompt's were 0.13 of its 0.32 s): every round then feeds the head only the
+    last verification's features and its drafts, the first round its drafts alone; the run still decodes the
+    baseline's tokens."""
     from specviz.core import drafters
 
     pair = eagle_pair("llama")
     calls, phase = [], [0]  # (phase, entries fed) per head step; phase 0: start, n: the n-th propose
-    step, propose = EagleHead.step, drafters.EagleDrafter.propose
+    logit_rows = []  # (phase, rows) per logits computed
+    step, propose, logits = EagleHead.step, drafters.EagleDrafter.propose, EagleHead.logits
+
+    def spied_logits(self, h, *args, **kwargs):
+        logit_rows.append((phase[0], h.shape[1]))
+        return logits(self, h, *args, **kwargs)
 
     def spied_step(self, cache, tokens, *args, **kwargs):
         calls.append((phase[0], tokens.shape[1]))
@@ -379,12 +385,14 @@ def test_the_heads_prompt_entries_are_written_with_the_prefill(eagle_pair, monke
         return propose(self, *args)
 
     monkeypatch.setattr(EagleHead, "step", spied_step)
+    monkeypatch.setattr(EagleHead, "logits", spied_logits)
     monkeypatch.setattr(drafters.EagleDrafter, "propose", spied_propose)
     settings = Settings(gamma=3, max_new_tokens=12, drafter="eagle")
     prompt = words(2, 3, 4, 5, 6, 7)
     spec = generate(pair, "", settings, prompt_ids=prompt)
     assert spec.token_ids == generate(pair, "", settings, mode="baseline", prompt_ids=prompt).token_ids
     assert [w for p, w in calls if p == 0] == [len(prompt) - 1]  # entries for positions 0..P-2, at once
+    assert [rows for p, rows in logit_rows if p == 0] == [1]  # q for d_1 only
     assert [w for p, w in calls if p == 1] == [1, 1]  # d_1 and d_2 fed for d_2 and d_3: no entry of the prompt's
     assert phase[0] > 1 and all(w <= settings.gamma + 1 for p, w in calls if p > 1)  # a verification's features
     assert spec.events[0].draft_cache_len == len(prompt) - 1

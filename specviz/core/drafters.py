@@ -307,7 +307,8 @@ class EagleDrafter:
                          [cache.scratch] * holes + places])
             cache.lengths[row] += n
         tokens, positions, slots = on_device(host, self.device).unbind(1)  # [B, w] each
-        h, logits = self.head.step(cache, tokens, self.head.features_in(feats, lean=True), slots, positions)
+        h, logits = self.head.step(cache, tokens, self.head.features_in(feats, lean=True), slots, positions,
+                                   last_only=True)
         self.pending = [f[:0] for f in self.pending]
         return h[:, -1:], logits[:, -1]
 

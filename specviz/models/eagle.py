@@ -275,13 +275,14 @@ class EagleHead(nn.Module):
         return outputs
 
     def step(self, cache: HeadCache, tokens: torch.Tensor, g: torch.Tensor, slots: torch.Tensor,
-             positions: torch.Tensor, lean: bool = True, visible: torch.Tensor | None = None
+             positions: torch.Tensor, lean: bool = True, visible: torch.Tensor | None = None, last_only: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write entries (g, token) [B, t] at cache slots [B, t] and attend over slots <= position, or,
         for a tree's entries, over the slots visible [B, t, C + 1] says (the real ones and the ancestors').
         Where no C call runs the layer, a compiled cache's steps run compiled (`compiler`).
 
-        Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N]."""
+        Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N] (last_only: at least the last
+        entry's, [B, 1, N] where they are not computed anyway; a prompt's entries are many and need only it)."""
         c = self.config
         cos, sin = _rope_table(c.head_dim, c.rope_theta, cache.keys.shape[2], positions.device, cache.keys.dtype)
         # [B, t, C + 1]: entries are contiguous from 0
@@ -292,15 +293,16 @@ class EagleHead(nn.Module):
             x = self._entries(tokens, g, self._linears(lean))
             h = native.layers(x, weights, [cache.keys], [cache.values], cos[positions], sin[positions], slots,
                               mask[:, None], cache.keys.shape[2], shape, c.eps)
-            return h, self.logits(h, lean)
+            return h, self.logits(h[:, -1:] if last_only else h, lean)
         width = next((w for w in WIDTHS if w >= tokens.shape[1]), None)
         if lean and cache.compiled and width is not None and self.compiled is not None:
             out = self._compiled_step(cache, tokens, g, slots, positions, mask, cos, sin, width)
             if out is not None:
                 return out
-        return self._layer(cache.keys, cache.values, tokens, g, cos[positions], sin[positions], slots, mask, lean)
+        return self._layer(cache.keys, cache.values, tokens, g, cos[positions], sin[positions], slots, mask, lean,
+                           last_only)
 
-    def _layer(self, keys, values, tokens, g, cos, sin, slots, mask, lean=True):
+    def _layer(self, keys, values, tokens, g, cos, sin, slots, mask, lean=True, last_only=False):
         """The step's layer: entries (g, token) [B, t] with their cos, sin [B, t, hd]; keys and values
         [B, kv, C + 1, hd] written at slots [B, t] in place; mask [B, t, C + 1] -> h [B, t, D], logits [B, t, N]."""
         lin = self._linears(lean)
@@ -310,7 +312,7 @@ class EagleHead(nn.Module):
         values[rows, :, slots] = v.transpose(1, 2)
         attended = attend(q, keys, values, mask[:, None], lossy=lean)
         h = self._finish(x, attended, lin)
-        return h, self.logits(h, lean)
+        return h, self.logits(h[:, -1:] if last_only else h, lean)
 
     def compiler(self):
         """The compiled step's layer (made once; CUDA graphs on CUDA, as the target's forward), or None with
