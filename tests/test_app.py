@@ -135,7 +135,7 @@ def test_lookup_then_eagle_copies_where_the_answer_repeats_the_prompt(app_url):
 def test_the_status_says_what_a_run_waits_for(monkeypatch):
     """Before the first round shows, the status says what the wait is: "loading models…" only while the pair
     loads, then the speculative run's prefill with the prompt's length (seconds for a long prompt on a CPU, which
-    read "loading models…" before), and at its last round the baseline's prefill, which follows."""
+    read "loading models…" before), and at its last round the baseline's prefill, which follows; a batch's too."""
     from specviz.ui import handlers
     from specviz.ui import page as ui_page
 
@@ -149,6 +149,11 @@ def test_the_status_says_what_a_run_waits_for(monkeypatch):
         assert statuses[: 1 + first_run] == ["loading models…"] * first_run + [f"speculative: {prefill}"]
         assert f"speculative: round {len(spec.events)}, 4 tokens; baseline: {prefill}" in statuses
         assert statuses[-1].startswith("done: 4 tokens") and base.n_tokens == 4
+    batch = ui_page.Page(batch_prompts="The future of AI\n---\nWhy is the sky blue?", max_new_tokens=4, drafter="model")
+    outputs = list(handlers.run_batch(batch))
+    runs = load_runs(outputs[-1][2])
+    tokens = sum(len(r.meta.prompt_ids) for r in runs)
+    assert html.unescape(re.sub("<[^>]+>", "", outputs[0][0])) == f"batch of 2: prefill ({tokens} prompt tokens)…"
 
 
 def test_a_preset_brings_its_first_run_settings(monkeypatch):

@@ -302,8 +302,13 @@ def run_batch(page: Page):
         settings = page.settings(draft_greedy=False)
         for prompt in prompts:
             check_request(prompt, settings)
-        yield note_html("loading models…"), "", gr.skip()
-        updates = stream_batch(page.pair(), prompts, settings, time_limit_s=TIME_LIMIT_S, trace_dir=trace_dir())
+        if not page.pair_loaded():
+            yield note_html("loading models…"), "", gr.skip()
+        pair = page.pair()
+        prompts_ids = encode_prompts(pair, prompts, settings)
+        yield note_html(prefilling(f"batch of {len(prompts)}", [t for ids in prompts_ids for t in ids])), "", gr.skip()
+        updates = stream_batch(pair, prompts, settings, prompts_ids=prompts_ids, time_limit_s=TIME_LIMIT_S,
+                               trace_dir=trace_dir())
         first = next(updates)
     except FAILURES as err:
         yield error_html(f"Error: {err}"), "", gr.skip()
