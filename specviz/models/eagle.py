@@ -281,8 +281,8 @@ class EagleHead(nn.Module):
         for a tree's entries, over the slots visible [B, t, C + 1] says (the real ones and the ancestors').
         Where no C call runs the layer, a compiled cache's steps run compiled (`compiler`).
 
-        Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N] (last_only: at least the last
-        entry's, [B, 1, N] where they are not computed anyway; a prompt's entries are many and need only it)."""
+        Returns h [B, t, D] (fed back when drafting further) and logits [B, t, N]; last_only: the last entry's
+        alone, [B, 1, N], where the step computes them itself (a compiled step's graph gives all t)."""
         c = self.config
         cos, sin = _rope_table(c.head_dim, c.rope_theta, cache.keys.shape[2], positions.device, cache.keys.dtype)
         # [B, t, C + 1]: entries are contiguous from 0

@@ -77,9 +77,9 @@ def draft_note(pair: ModelPair, settings) -> str:
     return f"Draft note: {pair.draft_note}. " if pair.draft_note and settings.drafter == "model" else ""
 
 
-def prefilling(mode: str, prompt_ids: list[int]) -> str:
+def prefilling(mode: str, tokens: int) -> str:
     """The status while a run reads its prompt (seconds for a long one on a CPU, before any round shows)."""
-    return f"{mode}: prefill ({len(prompt_ids):,} prompt tokens)…"
+    return f"{mode}: prefill ({tokens:,} prompt tokens)…"
 
 
 def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None,
@@ -103,7 +103,7 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
             if event.finish_reason or time.perf_counter() - drawn >= UPDATE_S:
                 drawn = time.perf_counter()
                 what = f"round {event.index + 1}, " if speculative else ""
-                then = f"; {prefilling('baseline', update.run.meta.prompt_ids)}" \
+                then = f"; {prefilling('baseline', len(update.run.meta.prompt_ids))}" \
                     if speculative and event.finish_reason and baseline_next else ""
                 view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens{then}")
                 with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
@@ -132,7 +132,7 @@ def run(page: Page, request=None):
             view.status = note_html("loading models…")
             yield view.outputs(final=False)
         prompt_ids = encode_prompts(page.pair(), [page.prompt], settings)[0]
-        view.status = note_html(prefilling("speculative", prompt_ids))
+        view.status = note_html(prefilling("speculative", len(prompt_ids)))
         yield view.outputs(final=False, with_charts=loaded)  # the last run's charts go with the first yield
         pair, updates = open_stream(page, settings, prompt_ids)
     except FAILURES as err:
@@ -306,7 +306,7 @@ def run_batch(page: Page):
             yield note_html("loading models…"), "", gr.skip()
         pair = page.pair()
         prompts_ids = encode_prompts(pair, prompts, settings)
-        yield note_html(prefilling(f"batch of {len(prompts)}", [t for ids in prompts_ids for t in ids])), "", gr.skip()
+        yield note_html(prefilling(f"batch of {len(prompts)}", sum(map(len, prompts_ids)))), "", gr.skip()
         updates = stream_batch(pair, prompts, settings, prompts_ids=prompts_ids, time_limit_s=TIME_LIMIT_S,
                                trace_dir=trace_dir())
         first = next(updates)
