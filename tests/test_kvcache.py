@@ -169,18 +169,19 @@ def test_the_c_attention_gives_a_query_the_same_bits_wherever_its_keys_lie(dim):
     """native.attend_bf16 (bf16 attention on a CPU): close to float64; and a query's output is bitwise the same
     alone in a one-token call over just the keys it sees, with those keys spread over other slots among
     keys it does not see (a tree node's ancestors), in a batch row, and read through strided caches (the
-    EAGLE head's); an empty row gives zeros; attend() routes bf16 there, boolean or additive mask alike.
-    ATen's attention fails the layout part (it blocks and reduces keys by slot)."""
+    EAGLE head's); an empty row gives zeros; attend() routes bf16 there, boolean or additive mask alike; a long
+    prefix seen whole (a verify's) too. ATen's attention fails the layout part (it blocks and reduces keys by slot)."""
     from specviz.models import native
     from specviz.models.leanllama import _additive, attend, in_c
 
     if not native.runs_here():
         pytest.skip("specviz's C functions do not run here")
     gen = torch.Generator().manual_seed(0)
-    B, H, KV, t, L = 2, 6, 2, 5, 40
+    B, H, KV, t, L = 2, 6, 2, 5, 72
     q = torch.randn(B, H, t, dim, generator=gen).bfloat16()
     k, v = (torch.randn(B, KV, L, dim, generator=gen).bfloat16() for _ in range(2))
     mask = torch.rand(B, 1, t, L, generator=gen) > 0.4
+    mask[0, 0, :, :64] = True  # a prefix every query sees: the C function lists its slots 32 at a time
     mask[1, 0, 2] = False  # a query that sees nothing
     got = native.attend_bf16(q, k, v, mask)
     with torch.no_grad():  # a forward's conditions (where gradients flow, ATen's attention runs)

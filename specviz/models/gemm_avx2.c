@@ -557,6 +557,31 @@ INLINE __m256 sum8_of_8(const __m256 *v)
     return _mm256_add_ps(_mm256_add_ps(l0, l2), _mm256_add_ps(l1, l3));
 }
 
+/* The slots a query sees (its mask row's nonzero bytes, `sm2` apart) into seen, in slot order; returns how many.
+   A contiguous row is read 32 bytes at a time, and a block it sees whole is written as one run of slot numbers. */
+INLINE int visible_slots(const uint8_t *row, int64_t L, int64_t sm2, int *seen)
+{
+    int n = 0;
+    int64_t j = 0;
+    if (sm2 == 1)
+        for (; j + 32 <= L; j += 32) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + j));
+            uint32_t bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256()));
+            if (bits == 0xFFFFFFFFu) {
+                __m256i slots = _mm256_add_epi32(_mm256_set1_epi32((int)j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                for (int c = 0; c < 4; c++, slots = _mm256_add_epi32(slots, _mm256_set1_epi32(8)))
+                    _mm256_storeu_si256((__m256i *)(seen + n + 8 * c), slots);
+                n += 32;
+            } else
+                for (; bits; bits &= bits - 1)
+                    seen[n++] = (int)j + __builtin_ctz(bits);
+        }
+    for (; j < L; j++)
+        if (row[j * sm2])
+            seen[n++] = (int)j;
+    return n;
+}
+
 /* One work item: rep query heads of key head g at query i of batch row b, over a head dimension of D (rep and D
    constants where it is inlined, so the accumulators stay in registers; the last chunk of 8 zero-padded). Each
    key and value is read and widened once for the rep heads that share it, and a score's sum of 8 lanes is taken
@@ -571,10 +596,7 @@ INLINE void attend_item(const void *q, int64_t qo, const void *k, int64_t ko, co
                         float *e, int f32)
 {
     const int64_t chunks = (D + 7) / 8, Dp = 8 * chunks;
-    int n = 0;
-    for (int64_t j = 0; j < L; j++)
-        if (row[j * sm2])
-            seen[n++] = (int)j;
+    const int n = visible_slots(row, L, sm2, seen);
     const int64_t padded = (n + 7) / 8 * 8;
     float qf[MAX_REP * MAX_DIM] __attribute__((aligned(32)));
     for (int64_t r = 0; r < rep; r++)
@@ -604,8 +626,15 @@ INLINE void attend_item(const void *q, int64_t qo, const void *k, int64_t ko, co
     }
     float inv[MAX_REP];
     for (int64_t r = 0; r < rep; r++) {
-        float *er = e + r * (L + 8), top = -INFINITY;
-        for (int m = 0; m < n; m++)
+        float *er = e + r * (L + 8), top = -INFINITY, lanes[8];
+        __m256 most = _mm256_set1_ps(-INFINITY); /* the largest score, eight lanes at a time: the same number */
+        int m = 0;                                /* (a tie between 0 and -0 aside, which exp does not tell apart) */
+        for (; m + 8 <= n; m += 8)
+            most = _mm256_max_ps(_mm256_loadu_ps(er + m), most); /* a NaN score is passed over, as below */
+        _mm256_storeu_ps(lanes, most);
+        for (int j = 0; j < 8; j++)
+            top = lanes[j] > top ? lanes[j] : top;
+        for (; m < n; m++)
             top = er[m] > top ? er[m] : top;
         for (int m = n; m < padded; m++)
             er[m] = top;
