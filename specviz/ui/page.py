@@ -246,7 +246,8 @@ def get_pair(preset: str, custom_target: str, custom_draft: str, dtype: str = "a
         if key not in _pairs:
             kwargs["progress"] = log.info  # converting, measuring kernels: on the server's console
             pair = load_pair(*key[:2], **kwargs) if preset == CUSTOM else load_pair(**kwargs)
-            for old in [k for k in _pairs if k != (PRESETS["offline"].target, PRESETS["offline"].draft, "auto")]:
+            default = _pair_key("offline", "", "", "auto")[0]
+            for old in [k for k in _pairs if k != default]:
                 del _pairs[old]  # keep memory bounded: one non-default pair at a time
             _pairs[key] = pair
         return _pairs[key]
