@@ -47,6 +47,51 @@ def test_a_tree_wins_where_wide_verifies_are_cheap_and_loses_where_they_are_dear
     assert costs.width((4, 4, 8)) == 9 and costs.width((3, 2, 0)) == 2 + 2 * 4 + 1
 
 
+def test_a_long_context_prices_wide_verifies_dearer_and_can_choose_a_narrower_shape(monkeypatch):
+    """Each token of a forward attends over every cached key: timed over 32 and 1,032 tokens of cache, a forward
+    over n tokens is priced on the line through the two, and a long prompt's run can be better off with a chain
+    where a short one's is a tree; the app's closing line prices a run at its own context and names that shape."""
+    taus = {"eagle": {(1, 1, 0): 1.5, (3, 2, 4): 2.2}}
+    c = made_costs({1: 10.0, 2: 10.5, 5: 12.0}, {"eagle": 1.0})
+    c.tree_ms[costs.tree_key("eagle", (3, 2, 4))] = 3.0
+    c.context, c.long_context, c.long_ms = 32, 1032, {1: 12.0, 2: 14.5, 5: 22.0}
+    assert c.forward(5) == c.forward(5, 32) == c.forward(5, 8) == 12.0  # the calibration prompt's, and below it
+    assert c.forward(5, 532) == pytest.approx(17.0) and c.forward(4, 2032) == pytest.approx(32.0)  # on the line
+    assert c.c(5, 1032) == pytest.approx(22.0 / 12.0)
+    assert replace(c, long_ms={1: 9.0, 2: 10.5, 5: 12.0}).forward(1, 1032) == 10.0  # a noisy slope under 0: flat
+    # a noisy long timing of a wider forward: its context tokens cost at least what they cost a narrower one
+    assert replace(c, long_ms={1: 12.0, 2: 11.0, 5: 22.0}).forward(2, 1032) == pytest.approx(12.5)
+    assert replace(c, long_context=0).forward(5, 5000) == 12.0  # not timed long: the short context's
+    assert costs.context_of(1769, 64) == 1801
+
+    short, long = rank(c, taus)[0], rank(c, taus, context=1032)[0]
+    assert (short.shape, short.context) == ((3, 2, 4), None)
+    assert short.expected == pytest.approx(2.2 * 10 / 15)  # a tree of 4 drafts: a verify of 5 and 3 ms drafting
+    assert (long.shape, long.context) == ((1, 1, 0), 1032)
+    assert long.expected == pytest.approx(1.5 * 12 / 15.5)
+    assert "chosen for this machine at a context of 1,032 tokens: eagle at γ = 1" in describe(long, c)
+    assert "a verify of 2 tokens costs 1.21 one-token steps of 12.0 ms here" in describe(long, c)
+    longer = rank(c, taus, context=4000)[0]
+    assert longer.expected < 1 and "On this machine at a context of 4,000 tokens no drafter" in note(longer, c)
+
+    # the app: a run of the choice made on a short prompt, told at its own context, with the shape expected faster
+    from specviz.models.loading import Preset
+    from specviz.ui import page
+
+    monkeypatch.setattr(page, "PRESETS", {"p": Preset("p", "t", "d", "", tokens_per_round=(
+        ("eagle", 1, 1.5), ("eagle", 3, 2.2, 2, 4)))})
+    monkeypatch.setattr(page, "_MACHINE_CHOICES", {("p", False): (short, c)})
+    told = []
+    monkeypatch.setattr(page, "against", lambda choice, *args, **kwargs: told.append(choice) or (
+        "told" if (choice.drafter, choice.shape) == ("eagle", (3, 2, 4)) else ""))
+    assert page.measured_against("p", False, 1032)(None, None) == (
+        f"told; at a context of 1,032 tokens eagle at γ = 1 is expected faster ({long.expected:.2f}x)")
+    assert told[-1].context == 1032 and told[-1].expected == pytest.approx(2.2 * 12 / (22 + 3))
+    assert page.measured_against("p", False, 40)(None, None) == "told"  # short: the choice stands
+    monkeypatch.setattr(page, "against", lambda choice, *args, **kwargs: "told" if choice.gamma == 1 else "")
+    assert page.measured_against("p", False, 1032)(None, None) == "at a context of 1,032 tokens, eagle at γ = 1, told"
+
+
 def test_when_nothing_beats_plain_decoding_the_note_says_so_and_why():
     c = made_costs({1: 10.0, 2: 25.0, 3: 40.0}, {"eagle": 2.0})
     best = rank(c, {"eagle": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}})[0]
@@ -97,8 +142,12 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
     choice, measured = costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}, messages.append)
     assert choice is not None and choice.drafter == "model" and choice.gamma in (1, 2)
     assert set(measured.forward_ms) == set(range(1, costs.MAX_WIDTH + 1)) and measured.draft_ms["model"] > 0
-    assert messages[0].endswith(f"(once, then cached): forwards of 1 to {costs.MAX_WIDTH} tokens; rounds of plain "
-                                "decoding, model...")
+    # timed over a long context too: as long as the model holds, past the calibration prompt
+    limit = pair.target.config.max_position_embeddings
+    assert set(measured.long_ms) == set(measured.forward_ms)
+    assert measured.context < measured.long_context == min(costs.LONG_CONTEXT, limit - costs.MAX_WIDTH - 1)
+    assert messages[0].endswith(f"(once, then cached): forwards of 1 to {costs.MAX_WIDTH} tokens, over a short and a "
+                                "long context; rounds of plain decoding, model...")
     assert costs._missing(set(), [("eagle", (3, 2, 4), False), ("eagle", (2, 1, 0), False),
                                   ("eagle", (3, 3, 5), False), ("eagle", (3, 2, 4), True)]) \
         == "rounds of eagle; eagle trees 3x2:4, 3x3:5; sampled eagle trees 3x2:4"
@@ -281,7 +330,8 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
     timings = []
 
     def forwards(pair, ids, widths, repeats, compiled):
-        timings.append(len(timings))
+        if repeats == costs.REPEATS:  # an attempt's first timing (the short context's; the long one follows)
+            timings.append(len(timings))
         return {k: 10.0 + len(timings) + k for k in widths}  # which attempt was kept: 11 + k, 12 + k, ...
 
     monkeypatch.setattr(costs, "forward_ms", forwards)
@@ -327,8 +377,8 @@ def test_costs_kept_unmetered_are_timed_again_by_a_start_that_meters(pattern_pai
     monkeypatch.setattr(contention, "_stat_reads", lambda: True)
     pair, taus = pattern_pair("llama"), {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}
     timings = []
-    monkeypatch.setattr(costs, "forward_ms", lambda pair, ids, widths, repeats, compiled: timings.append(1) or {
-        k: 10.0 + len(timings) + k for k in widths})
+    monkeypatch.setattr(costs, "forward_ms", lambda pair, ids, widths, repeats, compiled: (
+        repeats == costs.REPEATS and timings.append(1)) or {k: 10.0 + len(timings) + k for k in widths})
     monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5))
     monkeypatch.setenv("SPECVIZ_IGNORE_LOAD", "1")
     _, kept = costs.first_run(pair, taus)

@@ -459,6 +459,8 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     assert "| 49152x576 | linear |" in first.stdout and "*" in first.stdout
     assert "3 tokens / 1" in first.stdout and "bandwidth:" in first.stdout
     assert "greedy: expected speedup over plain decoding here" in first.stdout  # the drafters ranked by cost
+    assert "| expected speedup | over 1,024 tokens of context |" in first.stdout  # and priced over a long context
+    assert "c(k) as priced by the tokens already in the cache" in first.stdout and "| 2,048 | " in first.stdout
     assert "sampled (temperature > 0): expected speedup" in first.stdout  # and by τ measured when sampling
     if cap:
         assert "AVX2" in first.stdout.splitlines()[0]

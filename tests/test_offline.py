@@ -1,5 +1,6 @@
 """End to end on the offline default pair (SmolLM2-135M-Instruct; converted once into the cache)."""
 
+import re
 import subprocess
 import sys
 
@@ -47,10 +48,13 @@ def test_cli_compare_prints_tokens_rate_and_speedup(tmp_path):
     assert "\x1b[32m" in out or "\x1b[34m" in out  # coloured tokens
     assert "acceptance rate" in out and "speedup:" in out
     assert "greedy text:" in out
-    # no --drafter or --gamma: both chosen from this machine's measured costs, and the choice said
-    assert "chosen for this machine:" in out or "no drafter and γ is expected to beat plain decoding" in out
     spec, base = load_runs(trace)
     assert spec.meta.mode == "speculative" and base.meta.mode == "baseline" and base.n_tokens == 16
+    # no --drafter or --gamma: both chosen from this machine's measured costs, priced at the run's middle (the
+    # prompt and half the budget), and the choice said
+    said = re.search(r"chosen for this machine at a context of (\d+) tokens:|On this machine at a context of (\d+) "
+                     r"tokens no drafter and γ is expected to beat plain decoding", out)
+    assert said and int(said.group(1) or said.group(2)) == len(spec.meta.prompt_ids) + 16 // 2
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])

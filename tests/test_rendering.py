@@ -7,7 +7,16 @@ import pytest
 from specviz.core.events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, TopToken
 from specviz.core.theory import cost_ratio, expected_tokens_per_round, speedup_bound
 from specviz.view import charts
-from specviz.view.rendering import batch_html, diff_html, first_difference, run_text, stats_html, stream_html, summary
+from specviz.view.rendering import (
+    batch_html,
+    diff_html,
+    first_difference,
+    run_text,
+    slower_note,
+    stats_html,
+    stream_html,
+    summary,
+)
 
 
 def make_run(mode="speculative", temperature=0.0) -> Run:
@@ -61,6 +70,27 @@ def test_summaries():
     assert "(3 accepted, 1 rejected, 1 never tested of 5 drafted)" in summary(run)
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_a_run_slower_than_plain_decoding_is_told_why_from_its_own_timings():
+    """Rounds slower than plain steps: what a round costs in steps against the tokens it gave. Rounds faster,
+    the run slower end to end: the prefill (a long prompt's, which the EAGLE head reads too)."""
+    def timed(run, prefill_ms, ends_ms, drafter=""):  # the rounds' ends, since the run started
+        meta = dataclasses.replace(run.meta, prefill_ms=prefill_ms, drafter=drafter)
+        return dataclasses.replace(run, meta=meta, events=[
+            dataclasses.replace(e, elapsed_ms=end) for e, end in zip(run.events, ends_ms, strict=True)])
+
+    base = timed(make_run("baseline"), 5.0, [20.0, 36.0])  # 5 tokens: in 36 ms, 31 after the prefill
+    assert slower_note(timed(make_run(), 5.0, [20.0, 30.0]), base) == ""  # faster: nothing to explain
+    spec = timed(make_run(), 30.0, [35.0, 40.0], "lookup+eagle")  # in 40 ms, but 10 after the prefill
+    assert slower_note(spec, base) == ("plain decoding is faster here end to end, though the rounds decoded 3.10x "
+                                       "as fast as its steps: the prefill took 30 ms against its 5 ms (the EAGLE "
+                                       "head reads the prompt too)")
+    assert slower_note(dataclasses.replace(spec, meta=dataclasses.replace(spec.meta, drafter="model")), base) \
+        .endswith("against its 5 ms")
+    slow_rounds = timed(make_run(), 5.0, [25.0, 40.0])  # 35 ms of rounds against the baseline's 31
+    assert slower_note(slow_rounds, base).startswith("plain decoding is faster here: a round costs 1.00 steps to "
+                                                     "verify and 0.40 to draft, and gives 2.50 tokens")
 
 
 def test_diff_marker_names_the_position():

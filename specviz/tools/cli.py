@@ -145,19 +145,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     pair = load_pair(args.target, args.draft, preset, args.device, args.dtype, progress=progress, head=args.head,
                      retune=args.retune)
+    prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
     chosen_line, against = "", None  # the drafter and γ measured best on this machine, when the preset left them open
     if preset and args.drafter is None and args.gamma is None and args.branch is None and first_run.tokens_per_round:
         from . import costs as machine_costs
 
         sampled = not settings.sampling.greedy
-        choice, costs = machine_costs.first_run(pair, first_run.taus(sampled), progress, args.retune, sampled)
+        context = machine_costs.context_of(max(map(len, prompts_ids)), settings.max_new_tokens)
+        choice, costs = machine_costs.first_run(pair, first_run.taus(sampled), progress, args.retune, sampled, context)
         if choice:
             settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma, branch=choice.branch,
                                nodes=choice.nodes, gamma_max=max(args.gamma_max, choice.gamma))
             chosen_line = machine_costs.describe(choice, costs)
             against = functools.partial(machine_costs.against, choice, costs, sampled=sampled)
     check_drafter(pair, settings)
-    prompts_ids = [encode_prompt(pair.tokenizer, p, chat_template=not args.no_chat_template) for p in args.prompt]
     for ids in prompts_ids:
         check_fits(pair, ids, settings)
     colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
@@ -409,13 +410,34 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print(f"{'sampled (temperature > 0)' if sampled else 'greedy'}: expected speedup over plain decoding here, "
               "S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + overhead), τ measured on held-out prompts "
               "(the preset), costs on this machine:\n")
-        print("| drafter | γ | tree (children, drafts verified) | τ (tokens per round) | expected speedup |\n"
-              "|---|---|---|---|---|")
+        long = costs.long_context  # the same choices priced over the long context the forwards were timed at too
+        print("| drafter | γ | tree (children, drafts verified) | τ (tokens per round) | expected speedup |"
+              + (f" over {long:,} tokens of context |" if long else "")
+              + "\n|---|---|---|---|---|" + ("---|" if long else ""))
         for ch in machine_costs.rank(costs, taus, sampled)[:10]:
             tree = f"{ch.branch}, {machine_costs.width(ch.shape) - 1}" if ch.branch > 1 else "chain"
-            print(f"| {ch.drafter} | {ch.gamma} | {tree} | {taus[ch.drafter][ch.shape]:.2f} | {ch.expected:.2f}x |")
+            there = machine_costs.expected_speedup(costs, ch.drafter, ch.shape, ch.tokens_per_round, sampled, long)
+            print(f"| {ch.drafter} | {ch.gamma} | {tree} | {taus[ch.drafter][ch.shape]:.2f} | {ch.expected:.2f}x |"
+                  + (f" {there:.2f}x |" if long else ""))
         print(f"\n{machine_costs.describe(choice, costs)}\n")
+    if costs.long_context:
+        print(context_table(costs))
     return 0
+
+
+def context_table(costs) -> str:
+    """c(k) over the two contexts the forwards were timed at, and over twice the long one as priced (the line
+    through the two: costs.Costs.forward)."""
+    widths = sorted(k for k in costs.forward_ms if k > 1)
+    rows = [(f"{n:,}", n) for n in (costs.context, costs.long_context, 2 * costs.long_context)]
+    return "\n".join([
+        f"c(k) as priced by the tokens already in the cache (each of a forward's k tokens attends over all of them): "
+        f"the forwards timed over {costs.context} and {costs.long_context:,} tokens, a line through the two, a "
+        "context token costing a wider forward at least what it costs a narrower one\n",
+        "| tokens of context | one step, ms | " + " | ".join(f"c({k})" for k in widths) + " |",
+        "|---|---|" + "---|" * len(widths),
+        *(f"| {label} | {costs.forward(1, n):.1f} | " + " | ".join(f"{costs.c(k, n):.2f}" for k in widths) + " |"
+          for label, n in rows), ""])
 
 
 def _bit_for_bit(pair) -> str:

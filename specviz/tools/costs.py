@@ -13,6 +13,15 @@ per round), so the shape chosen is the one this machine's c(k) pays for (issue M
 drafts other levels than a greedy one of the same shape (drafters.EagleDrafter.propose), so its round
 is timed sampling, apart from the greedy one.
 
+A forward's cost grows with the tokens already in the cache, and more for a wide one: each of its k tokens
+attends over every cached key, while its matrix products read the weights once whatever k (on CPU B, AVX2,
+bfloat16, `python -m specviz kernels` timed c(6) at 1.35 over the 34-token calibration prompt and 1.51 over 1,024
+tokens, a one-token step at 11.3 and 13.0 ms). So the forwards are timed
+over two caches, the calibration prompt's and LONG_CONTEXT tokens, and a forward over a context of n tokens is
+priced on the line through the two (attention is linear in the keys). A run is priced at its middle, the prompt
+plus half its budget (`context_of`): a long prompt can make a narrower verify the better choice. The head's own
+attention over the context (one layer's against the target's thirty) is left unpriced.
+
 τ belongs to the pair and the text, not the machine: it is measured on held-out prompts and kept
 in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
 target's forward of k tokens for k = 1..MAX_WIDTH (so c(k) = verify(k) / step), and a short
@@ -56,7 +65,10 @@ MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4 (and
 CALIBRATION_PROMPT = "The future of AI"
 CALIBRATION_TOKENS = 24
 REPEATS = 10  # each width's forwards timed, interleaved
-TIMING = "forwards: the fastest of their repeats; a tree's drafting: its median round"  # (in the stored costs' key)
+LONG_CONTEXT = 1024  # tokens in the cache under the second timing of the forwards (fewer where the model holds fewer)
+LONG_REPEATS = 5
+# (in the stored costs' key)
+TIMING = "forwards: the fastest of their repeats, over two contexts; a tree's drafting: its median round"
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 
@@ -74,18 +86,36 @@ class Costs:
     overhead_ms: dict[str, float] = field(default_factory=dict)  # drafter ("" = plain decoding) -> ms per round
     tree_ms: dict[str, float] = field(default_factory=dict)  # tree_key -> drafting and bookkeeping ms per round
     busy: float | None = None  # the most of the CPUs our threads needed that other processes took while timing
+    context: int = 0  # tokens in the cache under forward_ms (the calibration prompt's)
+    long_ms: dict[int, float] = field(default_factory=dict)  # k tokens -> ms of a forward over long_context tokens
+    long_context: int = 0  # (0: not timed)
 
     @property
     def disturbed(self) -> bool:
         return self.busy is not None and self.busy > contention.BUSY
 
-    def forward(self, k: int) -> float:
-        """ms of a forward of k tokens: the narrowest measured width that holds k."""
-        return self.forward_ms[min((w for w in self.forward_ms if w >= k), default=max(self.forward_ms))]
+    def forward(self, k: int, context: int | None = None) -> float:
+        """ms of a forward of k tokens (the narrowest measured width that holds k) over the calibration prompt, or
+        over `context` tokens: on the line through the two contexts timed, never below the short one's time. A
+        context token costs a wider forward at least what it costs a narrower one (more queries attend to it), so
+        a width's slope is the steepest of the widths up to it: one noisy long timing does not price a wide
+        verify below a narrow one."""
+        w = min((w for w in self.forward_ms if w >= k), default=max(self.forward_ms))
+        short = self.forward_ms[w]
+        if context is None or w not in self.long_ms or self.long_context <= self.context:
+            return short
+        per_token = max((self.long_ms[v] - self.forward_ms[v] for v in self.long_ms if v <= w and v in self.forward_ms),
+                        default=0.0) / (self.long_context - self.context)
+        return short + max(per_token, 0.0) * max(context - self.context, 0)
 
-    def c(self, k: int) -> float:
-        """c(k): a forward of k tokens in one-token forwards."""
-        return self.forward(k) / self.forward_ms[1]
+    def c(self, k: int, context: int | None = None) -> float:
+        """c(k): a forward of k tokens in one-token forwards (over `context` tokens of cache)."""
+        return self.forward(k, context) / self.forward(1, context)
+
+
+def context_of(prompt_tokens: int, max_new_tokens: int) -> int:
+    """The context a run is priced at: its middle, the prompt plus half the budget."""
+    return prompt_tokens + max_new_tokens // 2
 
 
 Shape = tuple[int, int, int]  # (γ: depth, branch: children per node, nodes verified; 0 = all); a chain: (γ, 1, 0)
@@ -108,6 +138,7 @@ class Choice:
     branch: int = 1  # a tree's children per node (1: a chain)
     nodes: int = 0  # a tree's drafts verified per round (0: all)
     tokens_per_round: float = field(default=0.0, compare=False)  # the τ `expected` assumes (the preset's, measured)
+    context: int | None = field(default=None, compare=False)  # tokens of cache it was priced at (None: a short prompt)
 
     @property
     def shape(self) -> Shape:
@@ -121,10 +152,13 @@ class Choice:
                 f"{width(self.shape) - 1} drafts verified)")
 
 
-def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round: float, sampled: bool = False) -> float:
-    """S of the module docstring, for a chain (branch 1) or a tree (its round timed greedy or sampled)."""
-    plain = costs.forward_ms[1] + costs.overhead_ms.get("", 0.0)
-    return tokens_per_round * plain / (costs.forward(width(shape)) + beside_verify_ms(costs, drafter, shape, sampled))
+def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round: float, sampled: bool = False,
+                     context: int | None = None) -> float:
+    """S of the module docstring, for a chain (branch 1) or a tree (its round timed greedy or sampled), with the
+    forwards priced over `context` tokens of cache (None: the calibration prompt's)."""
+    plain = costs.forward(1, context) + costs.overhead_ms.get("", 0.0)
+    return tokens_per_round * plain / (costs.forward(width(shape), context)
+                                       + beside_verify_ms(costs, drafter, shape, sampled))
 
 
 def beside_verify_ms(costs: Costs, drafter: str, shape: Shape, sampled: bool = False) -> float:
@@ -135,10 +169,12 @@ def beside_verify_ms(costs: Costs, drafter: str, shape: Shape, sampled: bool = F
     return costs.tree_ms[tree_key(drafter, shape, sampled)]
 
 
-def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False) -> list[Choice]:
+def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False,
+         context: int | None = None) -> list[Choice]:
     """Every (drafter, shape) with a measured τ and a measured cost, best first (τ and tree rounds
-    measured sampling where `sampled`)."""
-    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau, sampled), shape[1], shape[2], tau)
+    measured sampling where `sampled`; forwards priced over `context` tokens of cache)."""
+    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau, sampled, context), shape[1], shape[2], tau,
+                      context)
                for d, by_shape in tokens_per_round.items() if d in costs.draft_ms
                for shape, tau in by_shape.items()
                if (shape[1] == 1 and shape[0] + 1 <= MAX_WIDTH) or tree_key(d, shape, sampled) in costs.tree_ms]
@@ -150,9 +186,14 @@ def note(best: Choice | None, costs: Costs | None) -> str:
     if best is None or costs is None or best.expected >= 1.0:
         return ""
     k = width(best.shape)
-    return (f"On this machine no drafter and γ is expected to beat plain decoding: the best, {best.text}, is "
-            f"expected at {best.expected:.2f}x, because a verify of {k} tokens costs {costs.c(k):.2f} one-token "
-            f"steps of {costs.forward_ms[1]:.1f} ms here.")
+    return (f"On this machine{at(best)} no drafter and γ is expected to beat plain decoding: the best, {best.text}, "
+            f"is expected at {best.expected:.2f}x, because a verify of {k} tokens costs "
+            f"{costs.c(k, best.context):.2f} one-token steps of {costs.forward(1, best.context):.1f} ms here.")
+
+
+def at(choice: Choice) -> str:
+    """' at a context of N tokens' for a choice priced at one, else ''."""
+    return f" at a context of {choice.context:,} tokens" if choice.context is not None else ""
 
 
 # --- measuring -----------------------------------------------------------------------------------
@@ -190,17 +231,26 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
     return {k: min(v) for k, v in times.items()}
 
 
-def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool,
-                       progress: Progress | None) -> tuple[dict[int, float], float | None]:
-    """forward_ms over the calibration prompt, timed again while other processes took too much of the CPU time
-    our threads needed (contention.quietest); the quietest timing, with that part (None: unknown)."""
+def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool, progress: Progress | None
+                       ) -> tuple[tuple[list[int], dict[int, float], list[int], dict[int, float]], float | None]:
+    """forward_ms over the calibration prompt and over a long context (that prompt's ids repeated to LONG_CONTEXT
+    tokens, or as many as the model holds), timed again while other processes took too much of the CPU time our
+    threads needed (contention.quietest): ((short ids, their forwards, long ids, theirs), that part; None: unknown).
+    No long timing where the model holds no more than the short prompt."""
     ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
+    limit = getattr(pair.target.config, "max_position_embeddings", None) or LONG_CONTEXT + max(widths) + 1
+    long = min(LONG_CONTEXT, limit - max(widths) - 1)
+    long_ids = (ids * (long // len(ids) + 1))[:long] if long > len(ids) else []
 
     def again(share: float) -> None:
         if progress:
             progress(f"{contention.took(share)} while the forwards were timed; timing them again...")
 
-    return contention.quietest(lambda: forward_ms(pair, ids, widths, REPEATS, compiled), again)
+    def both():
+        short = forward_ms(pair, ids, widths, REPEATS, compiled)
+        return ids, short, long_ids, forward_ms(pair, long_ids, widths, LONG_REPEATS, compiled) if long_ids else {}
+
+    return contention.quietest(both, again)
 
 
 def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0),
@@ -264,7 +314,8 @@ def _stored(file: Path) -> Costs | None:
         return None
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        return Costs(**{**data, "forward_ms": {int(k): v for k, v in data["forward_ms"].items()}})
+        return Costs(**{**data, **{key: {int(k): v for k, v in data.get(key, {}).items()}
+                                   for key in ("forward_ms", "long_ms")}})
     except (ValueError, KeyError, TypeError, OSError) as err:
         log.warning("specviz: ignoring unreadable costs %s (%s); measuring again", file, err)
         return None
@@ -294,7 +345,9 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
         progress(f"measuring what a round costs on this machine (once, then cached): {_missing(forwards, rounds)}...")
     shares = [costs.busy]  # how much of what our threads needed other processes took, part by part
     if forwards:
-        costs.forward_ms, busy = _quietest_forwards(pair, sorted(forwards), compiled, progress)
+        (ids, costs.forward_ms, long_ids, costs.long_ms), busy = _quietest_forwards(pair, sorted(forwards), compiled,
+                                                                                   progress)
+        costs.context, costs.long_context = len(ids), len(long_ids)
         shares.append(busy)
     taken = contention.others_meter()
     for d, shape, sampled in rounds:
@@ -320,7 +373,7 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
 def _missing(widths: set[int], rounds: list[TreeRound]) -> str:
     """What a measurement times (the forwards' widths, the rounds), for its progress line: 'forwards of 1 to 9
     tokens; rounds of plain decoding, eagle; eagle trees 3x2:4, 3x3:5'."""
-    parts = [f"forwards of 1 to {max(widths)} tokens"] if widths else []
+    parts = [f"forwards of 1 to {max(widths)} tokens, over a short and a long context"] if widths else []
     if chains := [d or "plain decoding" for d, shape, _ in rounds if shape[1] == 1]:
         parts.append("rounds of " + ", ".join(chains))
     trees: dict[str, list[str]] = {}
@@ -331,15 +384,16 @@ def _missing(widths: set[int], rounds: list[TreeRound]) -> str:
 
 
 def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], progress: Progress | None = None,
-              retune: bool = False, sampled: bool = False) -> tuple[Choice | None, Costs | None]:
+              retune: bool = False, sampled: bool = False, context: int | None = None
+              ) -> tuple[Choice | None, Costs | None]:
     """The best (drafter, shape) for this pair on this machine, with its costs; (None, None) when the pair
     has no measured τ (then the preset's fixed defaults stand). `sampled`: τ measured at temperature 1, and
-    tree rounds timed sampling."""
+    tree rounds timed sampling; `context`: the run's (context_of), where known."""
     if not tokens_per_round:
         return None, None
     trees = [(d, shape, sampled) for d, by_shape in tokens_per_round.items() for shape in by_shape if shape[1] > 1]
     costs = measure(pair, list(tokens_per_round), progress, retune, trees=trees)
-    ranked = rank(costs, tokens_per_round, sampled)
+    ranked = rank(costs, tokens_per_round, sampled, context)
     return (ranked[0] if ranked else None), costs
 
 
@@ -348,9 +402,9 @@ def describe(choice: Choice, costs: Costs) -> str:
     k = width(choice.shape)
     busy = f" Timed while {contention.took(costs.busy)}: the next start times it again." if costs.disturbed else ""
     return (note(choice, costs) or (
-        f"chosen for this machine: {choice.text}, expected {choice.expected:.2f}x over "
-        f"plain decoding (a verify of {k} tokens costs {costs.c(k):.2f} one-token steps of "
-        f"{costs.forward_ms[1]:.1f} ms here{held(choice)}).")) + busy
+        f"chosen for this machine{at(choice)}: {choice.text}, expected {choice.expected:.2f}x over "
+        f"plain decoding (a verify of {k} tokens costs {costs.c(k, choice.context):.2f} one-token steps of "
+        f"{costs.forward(1, choice.context):.1f} ms here{held(choice)}).")) + busy
 
 
 def against(choice: Choice, costs: Costs, spec: Run, baseline: Run, sampled: bool = False) -> str:
@@ -368,13 +422,13 @@ def against(choice: Choice, costs: Costs, spec: Run, baseline: Run, sampled: boo
     step = target_step_ms(spec, baseline)
     if not priced or not step or not spec.events or not baseline.tokens_per_s:
         return ""
-    rest = beside_verify_ms(costs, choice.drafter, choice.shape, sampled) / costs.forward_ms[1]
+    rest = beside_verify_ms(costs, choice.drafter, choice.shape, sampled) / costs.forward(1, choice.context)
     spent = (spec.rounds_ms - sum(e.verify_ms for e in spec.events)) / len(spec.events)
     return (f"expected {choice.expected:.2f}x, measured {spec.tokens_per_s / baseline.tokens_per_s:.2f}x: a round "
             f"verified in {median(e.verify_ms for e in spec.events) / step:.2f} steps (priced at "
-            f"{costs.c(width(choice.shape)):.2f}), drafted and kept its books in {spent / step:.2f} more (priced at "
-            f"{rest:.2f}) and yielded "
-            f"{spec.tokens_per_round:.2f} tokens ({choice.tokens_per_round:.2f} on a median benchmark prompt)")
+            f"{costs.c(width(choice.shape), choice.context):.2f}), drafted and kept its books in {spent / step:.2f} "
+            f"more (priced at {rest:.2f}) and yielded {spec.tokens_per_round:.2f} tokens "
+            f"({choice.tokens_per_round:.2f} on a median benchmark prompt)")
 
 
 def held(choice: Choice) -> str:

@@ -12,6 +12,7 @@ import gradio as gr
 from ..core.events import Run, load_runs
 from ..core.generator import DRAFTER_KINDS, encode_prompts
 from ..models.loading import PRESETS, ModelPair
+from ..tools.costs import context_of
 from ..tools.lossless import exact_check, float32_recheck, sample_check_live
 from ..tools.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
 from ..view import charts
@@ -140,8 +141,9 @@ def run(page: Page, request=None):
         yield view.outputs()
         return
     SERVED["runs"] += 1
+    context = context_of(len(prompt_ids), settings.max_new_tokens)
     yield from follow(view, updates, draft_note(pair, settings),
-                      measured_against(page.preset, not settings.sampling.greedy), bool(page.compare))
+                      measured_against(page.preset, not settings.sampling.greedy, context), bool(page.compare))
 
 
 # --- step mode -----------------------------------------------------------------------------------

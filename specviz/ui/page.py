@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from ..core.events import Run
 from ..core.generator import DRAFTER_KINDS, MAX_GAMMA, MAX_NODES, Settings, draft_width
 from ..core.generator import validate_prompt as check_prompt
 from ..models.loading import PRESETS, ModelPair, load_pair
-from ..tools.costs import Choice, Costs, against, describe, first_run
+from ..tools.costs import Choice, Costs, against, describe, expected_speedup, first_run, rank
 from ..view.rendering import note_html
 
 CUSTOM = "custom (enter ids below)"
@@ -268,12 +268,30 @@ def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
     return _MACHINE_CHOICES.get((preset, False))
 
 
-def measured_against(preset: str, sampled: bool) -> Callable[[Run, Run], str] | None:
+def measured_against(preset: str, sampled: bool, context: int | None = None) -> Callable[[Run, Run], str] | None:
     """(run, its baseline) -> how a run of what this machine chose for the preset (greedy or sampled) measured
-    against the expected speedup, part by part ('' for a run of other settings: costs.against); None where
-    nothing was chosen."""
+    against the expected speedup, part by part, priced at the run's context (costs.context_of; '' for a run of
+    other settings: costs.against), and which shape is expected faster at that context where another is; None
+    where nothing was chosen. A run of that other shape is told its own expectation."""
     chosen = _MACHINE_CHOICES.get((preset, sampled))
-    return None if chosen is None else functools.partial(against, *chosen, sampled=sampled)
+    if chosen is None:
+        return None
+    if context is None:
+        return functools.partial(against, *chosen, sampled=sampled)
+    choice, costs = chosen
+    here = replace(choice, context=context, expected=expected_speedup(
+        costs, choice.drafter, choice.shape, choice.tokens_per_round, sampled, context))
+    ranked = rank(costs, PRESETS[preset].taus(sampled), sampled, context)
+    best = ranked[0] if ranked and ranked[0].expected > here.expected else here
+
+    def line(run: Run, baseline: Run) -> str:
+        if said := against(best, costs, run, baseline, sampled):
+            return f"at a context of {context:,} tokens, {best.text}, {said}" if best is not here else said
+        said = against(here, costs, run, baseline, sampled)
+        return said + (f"; at a context of {context:,} tokens {best.text} is expected faster "
+                       f"({best.expected:.2f}x)" if said and best is not here else "")
+
+    return line
 
 
 def first_run_values(preset: str, sampled: bool = False) -> tuple[str, int, int, int, str]:

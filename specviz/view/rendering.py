@@ -215,12 +215,20 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
 
 
 def slower_note(spec: Run, baseline: Run) -> str:
-    """'' unless speculation ran slower than plain decoding; then why, from the run's own timings:
-    what a verify pass and the drafting cost here in plain target steps, against the tokens a round gave."""
+    """'' unless speculation ran slower than plain decoding; then why, from the run's own timings: where its
+    rounds were the faster part, the prefill (a long prompt's, which the EAGLE head reads too); else what a verify
+    pass and the drafting cost here in plain target steps, against the tokens a round gave."""
     from ..core.theory import target_step_ms
 
     if not baseline.tokens_per_s or spec.tokens_per_s >= baseline.tokens_per_s or not spec.events:
         return ""
+    if spec.rounds_ms > 0 and baseline.rounds_ms > 0:
+        rounds = (spec.n_tokens / spec.rounds_ms) / (baseline.n_tokens / baseline.rounds_ms)
+        if rounds >= 1:
+            return (f"plain decoding is faster here end to end, though the rounds decoded {rounds:.2f}x as fast as its "
+                    f"steps: the prefill took {spec.meta.prefill_ms:,.0f} ms against its "
+                    f"{baseline.meta.prefill_ms:,.0f} ms" + (" (the EAGLE head reads the prompt too)"
+                                                             if "eagle" in spec.meta.drafter else ""))
     step = target_step_ms(spec, baseline)
     if not step:
         return ""
