@@ -49,7 +49,8 @@ def test_a_tree_wins_where_wide_verifies_are_cheap_and_loses_where_they_are_dear
 
 def test_a_long_context_prices_wide_verifies_dearer_and_can_choose_a_narrower_shape(monkeypatch):
     """Each token of a forward attends over every cached key: timed over 32 and 1,032 tokens of cache, a forward
-    over n tokens is priced on the line through the two, and a long prompt's run can be better off with a chain
+    over n tokens is priced as the short one plus n times what a key adds, and a long prompt's run can be better off
+    with a chain
     where a short one's is a tree; the app's closing line prices a run at its own context and names that shape."""
     taus = {"eagle": {(1, 1, 0): 1.5, (3, 2, 4): 2.2}}
     c = made_costs({1: 10.0, 2: 10.5, 5: 12.0}, {"eagle": 1.0})
@@ -59,8 +60,11 @@ def test_a_long_context_prices_wide_verifies_dearer_and_can_choose_a_narrower_sh
     assert c.forward(5, 532) == pytest.approx(17.0) and c.forward(4, 2032) == pytest.approx(32.0)  # on the line
     assert c.c(5, 1032) == pytest.approx(22.0 / 12.0)
     assert replace(c, long_ms={1: 9.0, 2: 10.5, 5: 12.0}).forward(1, 1032) == 10.0  # a noisy slope under 0: flat
-    # a noisy long timing of a wider forward: its context tokens cost at least what they cost a narrower one
-    assert replace(c, long_ms={1: 12.0, 2: 11.0, 5: 22.0}).forward(2, 1032) == pytest.approx(12.5)
+    # what a context token adds is a line in k through every width's two timings: a noisy long timing of one wide
+    # forward (5 tokens: 3 ms more, where 1-3 tokens took 2, 4 and 6 more) does not price it below a narrower one
+    noisy = replace(c, forward_ms={1: 10.0, 2: 10.5, 3: 11.0, 5: 12.0}, long_ms={1: 12.0, 2: 14.5, 3: 17.0, 5: 15.0})
+    assert noisy.per_token(5) * 1000 == pytest.approx(3.75 + 0.2 * 2.25)  # mean 3.75 ms at k = 2.75, 0.2 ms a token
+    assert noisy.forward(5, 1032) == pytest.approx(16.2) and noisy.forward(3, 1032) == pytest.approx(14.8)
     assert replace(c, long_context=0).forward(5, 5000) == 12.0  # not timed long: the short context's
     assert costs.context_of(1769, 64) == 1801
 

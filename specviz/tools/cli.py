@@ -426,14 +426,14 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def context_table(costs) -> str:
-    """c(k) over the two contexts the forwards were timed at, and over twice the long one as priced (the line
-    through the two: costs.Costs.forward)."""
+    """c(k) as priced (costs.Costs.forward) over the two contexts the forwards were timed at and over twice the
+    long one."""
     widths = sorted(k for k in costs.forward_ms if k > 1)
     rows = [(f"{n:,}", n) for n in (costs.context, costs.long_context, 2 * costs.long_context)]
     return "\n".join([
         f"c(k) as priced by the tokens already in the cache (each of a forward's k tokens attends over all of them): "
-        f"the forwards timed over {costs.context} and {costs.long_context:,} tokens, a line through the two, a "
-        "context token costing a wider forward at least what it costs a narrower one\n",
+        f"the forwards timed over {costs.context} and {costs.long_context:,} tokens; what a context token adds to a "
+        "forward of k tokens, a + b k, fitted through every width's two timings\n",
         "| tokens of context | one step, ms | " + " | ".join(f"c({k})" for k in widths) + " |",
         "|---|---|" + "---|" * len(widths),
         *(f"| {label} | {costs.forward(1, n):.1f} | " + " | ".join(f"{costs.c(k, n):.2f}" for k in widths) + " |"

@@ -18,9 +18,10 @@ attends over every cached key, while its matrix products read the weights once w
 bfloat16, `python -m specviz kernels` timed c(6) at 1.35 over the 34-token calibration prompt and 1.51 over 1,024
 tokens, a one-token step at 11.3 and 13.0 ms). So the forwards are timed
 over two caches, the calibration prompt's and LONG_CONTEXT tokens, and a forward over a context of n tokens is
-priced on the line through the two (attention is linear in the keys). A run is priced at its middle, the prompt
-plus half its budget (`context_of`): a long prompt can make a narrower verify the better choice. The head's own
-attention over the context (one layer's against the target's thirty) is left unpriced.
+priced as the short one's time plus n times what a context token adds to it (attention is linear in the keys),
+a + b k for k tokens, fitted through every width's two timings (`Costs.per_token`). A run is priced at its middle,
+the prompt plus half its budget (`context_of`): a long prompt can make a narrower verify the better choice. The
+head's own attention over the context (one layer's against the target's thirty) is left unpriced.
 
 τ belongs to the pair and the text, not the machine: it is measured on held-out prompts and kept
 in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
@@ -96,17 +97,27 @@ class Costs:
 
     def forward(self, k: int, context: int | None = None) -> float:
         """ms of a forward of k tokens (the narrowest measured width that holds k) over the calibration prompt, or
-        over `context` tokens: on the line through the two contexts timed, never below the short one's time. A
-        context token costs a wider forward at least what it costs a narrower one (more queries attend to it), so
-        a width's slope is the steepest of the widths up to it: one noisy long timing does not price a wide
-        verify below a narrow one."""
+        over `context` tokens: the short context's time plus what each further context token adds (per_token)."""
         w = min((w for w in self.forward_ms if w >= k), default=max(self.forward_ms))
-        short = self.forward_ms[w]
-        if context is None or w not in self.long_ms or self.long_context <= self.context:
-            return short
-        per_token = max((self.long_ms[v] - self.forward_ms[v] for v in self.long_ms if v <= w and v in self.forward_ms),
-                        default=0.0) / (self.long_context - self.context)
-        return short + max(per_token, 0.0) * max(context - self.context, 0)
+        if context is None:
+            return self.forward_ms[w]
+        return self.forward_ms[w] + self.per_token(w) * max(context - self.context, 0)
+
+    def per_token(self, k: int) -> float:
+        """ms that one more token of context adds to a forward of k tokens: a + b k, each of the k tokens attending
+        to it, a line fitted by least squares through every width's (long - short) / (long_context - context): on a
+        noisy VM one width's own pair of timings can price a 5-token forward over a long context below a 3-token
+        one, the line through all ten widths does not. b >= 0 (a wider forward never pays less for a key), the line
+        >= 0; 0 with no long timing."""
+        widths = [w for w in self.long_ms if w in self.forward_ms]
+        if not widths or self.long_context <= self.context:
+            return 0.0
+        extra = [(self.long_ms[w] - self.forward_ms[w]) / (self.long_context - self.context) for w in widths]
+        mean_w, mean_e = sum(widths) / len(widths), sum(extra) / len(extra)
+        spread = sum((w - mean_w) ** 2 for w in widths)
+        covariance = sum((w - mean_w) * (e - mean_e) for w, e in zip(widths, extra, strict=True))
+        b = max(covariance / spread, 0.0) if spread else 0.0
+        return max(mean_e + b * (k - mean_w), 0.0)
 
     def c(self, k: int, context: int | None = None) -> float:
         """c(k): a forward of k tokens in one-token forwards (over `context` tokens of cache)."""
