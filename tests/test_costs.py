@@ -50,14 +50,14 @@ def test_a_tree_wins_where_wide_verifies_are_cheap_and_loses_where_they_are_dear
 def test_a_long_context_prices_wide_verifies_dearer_and_can_choose_a_narrower_shape(monkeypatch):
     """Each token of a forward attends over every cached key: timed over 32 and 1,032 tokens of cache, a forward
     over n tokens is priced as the short one plus n times what a key adds, and a long prompt's run can be better off
-    with a chain
-    where a short one's is a tree; the app's closing line prices a run at its own context and names that shape."""
+    with a chain where a short one's is a tree; the app's closing line prices a run at its own context and names
+    that shape."""
     taus = {"eagle": {(1, 1, 0): 1.5, (3, 2, 4): 2.2}}
     c = made_costs({1: 10.0, 2: 10.5, 5: 12.0}, {"eagle": 1.0})
     c.tree_ms[costs.tree_key("eagle", (3, 2, 4))] = 3.0
     c.context, c.long_context, c.long_ms = 32, 1032, {1: 12.0, 2: 14.5, 5: 22.0}
     assert c.forward(5) == c.forward(5, 32) == c.forward(5, 8) == 12.0  # the calibration prompt's, and below it
-    assert c.forward(5, 532) == pytest.approx(17.0) and c.forward(4, 2032) == pytest.approx(32.0)  # on the line
+    assert c.forward(5, 532) == pytest.approx(17.0) and c.forward(4, 2032) == pytest.approx(32.0)  # 2 k ms per 1,000
     assert c.c(5, 1032) == pytest.approx(22.0 / 12.0)
     assert replace(c, long_ms={1: 9.0, 2: 10.5, 5: 12.0}).forward(1, 1032) == 10.0  # a noisy slope under 0: flat
     # what a context token adds is a line in k through every width's two timings: a noisy long timing of one wide
