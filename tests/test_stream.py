@@ -234,3 +234,25 @@ def test_the_charts_open_as_titled_frames_until_a_run_draws_them(pattern_pair):
     run = stream(pattern_pair("llama"), "w2 w3 w4", Settings(gamma=2, max_new_tokens=8), chat_template=False)
     view = View(spec=list(run)[-1].spec)
     assert all("annotations" not in figure["layout"] for figure in [*view.figures(), view.round_tree()])
+
+
+def test_generate_compare_warms_up_on_the_prompts_start_not_on_the_whole_prompt(pattern_dirs, monkeypatch, capsys):
+    """`generate --compare` warms both paths up before the timed runs; a long prompt's prefill, twice more, would warm
+    nothing further (eager forwards have no per-length first calls), so the warm-up reads the prompt's first
+    WARM_UP_TOKENS, and the timed runs the whole prompt."""
+    from specviz.tools import cli
+
+    seen = []
+
+    def recording(pair, prompt, settings, **kwargs):
+        seen.append((len(kwargs["prompt_ids"]), settings.max_new_tokens))
+        return stream(pair, prompt, settings, **kwargs)
+
+    monkeypatch.setattr(cli, "stream", recording)
+    target, draft = pattern_dirs("llama")
+    prompt = " ".join(f"w{i % 9 + 1}" for i in range(150))  # 150 tokens of the counting language
+    assert cli.main(["generate", "--target", str(target), "--draft", str(draft), "--drafter", "model", "--prompt",
+                     prompt, "--no-chat-template", "--compare", "--max-new-tokens", "12", "--device", "cpu",
+                     "--dtype", "float32"]) == 0
+    assert seen == [(cli.WARM_UP_TOKENS, 8), (150, 12)]
+    assert "speedup:" in capsys.readouterr().out
