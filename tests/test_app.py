@@ -154,6 +154,19 @@ def test_the_status_says_what_a_run_waits_for(monkeypatch):
     runs = load_runs(outputs[-1][2])
     tokens = sum(len(r.meta.prompt_ids) for r in runs)
     assert html.unescape(re.sub("<[^>]+>", "", outputs[0][0])) == f"batch of 2: prefill ({tokens} prompt tokens)…"
+    # Step: the same, the status alone changing until the first round shows; then Next within the round at once
+    from specviz.ui import stepping
+    from specviz.ui.view import OUTPUT_NAMES
+
+    monkeypatch.setattr(ui_page, "_pairs", {})
+    monkeypatch.setattr(stepping, "_steppers", {})  # this test's session alone
+    outputs = list(handlers.step(page))
+    assert [html.unescape(re.sub("<[^>]+>", "", out[0])) for out in outputs[:2]] == [
+        "loading models…", f"speculative: {prefill}"]
+    assert all(value == handlers.gr.skip() for out in outputs[:2]
+               for name, value in zip(OUTPUT_NAMES, out, strict=True) if name != "status")
+    assert len(outputs) == 3 and "sv-stage-caption" in outputs[2][OUTPUT_NAMES.index("round_box")]
+    assert len(list(handlers.next_stage(page))) == 1  # the shown round's next stage: no wait to tell of
 
 
 def test_a_preset_brings_its_first_run_settings(monkeypatch):

@@ -45,7 +45,7 @@ from .page import (
     trace_dir,
 )
 from .stepping import Stepper
-from .view import View, greedy_diff, split_runs
+from .view import View, greedy_diff, split_runs, status_only
 
 try:  # ZeroGPU on Hugging Face Spaces: borrow a GPU per request (its own worker runs the handler)
     import spaces
@@ -152,32 +152,39 @@ def run(page: Page, request=None):
 @on_gpu
 def step(page: Page, request=None, within_round: bool = False):
     """The next round, at its first stage; with nothing to step through, a new run with the page's settings
-    (or, after a replay, the trace from its first round). within_round (Next ▸): the shown round's next
-    stage first, while it has one."""
+    (or, after a replay, the trace from its first round), the status saying what it waits for until its first
+    round shows, as a run's does. within_round (Next ▸): the shown round's next stage first, while it has one."""
     stepper = stepping.current(request)
     if within_round and stepper is not None and stepper.shown and stepper.stage + 1 < stepper.stages():
         stepper.stage += 1
-        return stepper.view(bool(page.show_rounds)).stage_outputs()
+        yield stepper.view(bool(page.show_rounds)).stage_outputs()
+        return
     if stepper is None or not stepper.more():
         if stepper is not None and stepper.replay:
             stepper.shown = 0
         else:
             try:
                 settings = page.settings()
-                pair, updates = open_stream(page, settings)
+                check_request(page.prompt, settings)
+                if not page.pair_loaded():
+                    yield status_only(note_html("loading models…"))
+                prompt_ids = encode_prompts(page.pair(), [page.prompt], settings)[0]
+                yield status_only(note_html(prefilling("speculative", len(prompt_ids))))
+                pair, updates = open_stream(page, settings, prompt_ids)
             except FAILURES as err:
-                return View(status=error_html(f"Error: {err}")).outputs()
+                yield View(status=error_html(f"Error: {err}")).outputs()
+                return
             first = next(updates)
             SERVED["runs"] += 1
             stepper = Stepper(spec=first.run, updates=_chained(first, updates), note=draft_note(pair, settings),
                               compare=bool(page.compare))
             stepping.keep(request, stepper)
     stepper.next_round()
-    return _stepper_outputs(stepper, page.show_rounds)
+    yield _stepper_outputs(stepper, page.show_rounds)
 
 
 def next_stage(page: Page, request=None):
-    return step(page, request, within_round=True)
+    yield from step(page, request, within_round=True)
 
 
 def _stepper_outputs(stepper: Stepper, show_rounds):
