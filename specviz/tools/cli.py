@@ -172,7 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.compare:  # warm both paths up so that neither pays first-call costs in the timing
         # on the prompt's first WARM_UP_TOKENS: a long prompt's prefill, twice more, would warm nothing further (a
-        # 3,540-token prompt's took 14 s a run on CPU B); compiled forwards need the run's own shapes, so its prompt
+        # 3,540-token prompt's took 14 s a run on CPU B); compiled forwards compile per shape, so there the whole prompt
         warm_ids = prompt_ids if settings.compile else prompt_ids[:WARM_UP_TOKENS]
         for _ in stream(pair, prompt, replace(settings, max_new_tokens=min(8, settings.max_new_tokens), record_top=0),
                         compare=True, prompt_ids=warm_ids):
