@@ -109,7 +109,8 @@ PRESETS: dict[str, Preset] = {
             #   --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches ''
             # The head alone is not among them: its median never tops lookup+eagle's at the same γ (eagle 1.49,
             # 1.68, 1.88, 1.94 at γ 1-4), the two tie where lookup finds nothing to copy, and the tie went by a
-            # drafting cost within the timings' noise, to the head alone; on CPU B (bf16, 2 threads, 2026-11-30)
+            # drafting cost within the timings' noise, to the head alone; on CPU B (AMD EPYC, AVX2 only; bf16, 2
+            # threads, 2026-11-30)
             #   bench --drafters eagle,lookup+eagle --eagle-gammas 1,2 --temperatures 0 --policies '' --batch 0
             #   --max-new-tokens 64 --repeats 2 --no-hf --step-caches ''
             # gave lookup+eagle 1.24x and 1.25x at γ 1 and 2, the head alone 1.22x and 1.18x (median speedups).
