@@ -239,7 +239,7 @@ def test_the_charts_open_as_titled_frames_until_a_run_draws_them(pattern_pair):
 def test_generate_compare_warms_up_on_the_prompts_start_not_on_the_whole_prompt(pattern_dirs, monkeypatch, capsys):
     """`generate --compare` warms both paths up before the timed runs; a long prompt's prefill, twice more, would warm
     nothing further (eager forwards have no per-length first calls), so the warm-up reads the prompt's first
-    WARM_UP_TOKENS, and the timed runs the whole prompt."""
+    WARM_UP_TOKENS, and the timed runs the whole prompt; a batch's warm-up too."""
     from specviz.tools import cli
 
     seen = []
@@ -256,3 +256,18 @@ def test_generate_compare_warms_up_on_the_prompts_start_not_on_the_whole_prompt(
                      "--dtype", "float32"]) == 0
     assert seen == [(cli.WARM_UP_TOKENS, 8), (150, 12)]
     assert "speedup:" in capsys.readouterr().out
+    # a batch: its warm-up as well
+    from specviz.core import generator
+
+    batches = []
+    real_batch = generator.generate_batch
+    def recording_batch(*args, **kwargs):
+        if "prompts_ids" in kwargs:  # the command's batch calls (a row alone comes through generate, positionally)
+            batches.append([len(ids) for ids in kwargs["prompts_ids"]])
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(generator, "generate_batch", recording_batch)
+    assert cli.main(["generate", "--target", str(target), "--draft", str(draft), "--drafter", "model", "--prompt",
+                     prompt, "--prompt", "w1 w2 w3", "--no-chat-template", "--compare", "--max-new-tokens", "4",
+                     "--device", "cpu", "--dtype", "float32"]) == 0
+    assert batches == [[cli.WARM_UP_TOKENS, 3], [150, 3]]

@@ -171,11 +171,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt, prompt_ids = args.prompt[0], prompts_ids[0]
 
     if args.compare:  # warm both paths up so that neither pays first-call costs in the timing
-        # on the prompt's first WARM_UP_TOKENS: a long prompt's prefill, twice more, would warm nothing further (a
-        # 3,540-token prompt's took 14 s a run on CPU B); compiled forwards compile per shape, so there the whole prompt
-        warm_ids = prompt_ids if settings.compile else prompt_ids[:WARM_UP_TOKENS]
         for _ in stream(pair, prompt, replace(settings, max_new_tokens=min(8, settings.max_new_tokens), record_top=0),
-                        compare=True, prompt_ids=warm_ids):
+                        compare=True, prompt_ids=warming(prompt_ids, settings)):
             pass
 
     print(_pair_line(pair, settings), file=out)
@@ -246,6 +243,13 @@ def _pair_line(pair, settings: Settings) -> str:
             f"{pair.dtype_reason}")
 
 
+def warming(prompt_ids: list[int], settings: Settings) -> list[int]:
+    """The prompt ids a warm-up run reads: the first WARM_UP_TOKENS, since a long prompt's prefill, twice more, would
+    warm nothing further (a 3,540-token prompt's took 14 s a run on CPU B); compiled forwards compile per shape, so
+    there the whole prompt."""
+    return prompt_ids if settings.compile else prompt_ids[:WARM_UP_TOKENS]
+
+
 def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings, colour: bool, out) -> int:
     """Decode the prompts as one batch; print each row's rounds, then the batch's throughput."""
     from ..core.generator import generate_batch
@@ -253,7 +257,8 @@ def _generate_batch(pair, args, prompts_ids: list[list[int]], settings: Settings
     print(f"{_pair_line(pair, settings)}, a batch of {len(prompts_ids)}", file=out)
     print(f"legend: {legend(colour)}\n", file=out)
     if args.compare:  # warm-up, as for a single prompt
-        generate_batch(pair, args.prompt, replace(settings, max_new_tokens=8, record_top=0), prompts_ids=prompts_ids)
+        generate_batch(pair, args.prompt, replace(settings, max_new_tokens=8, record_top=0),
+                       prompts_ids=[warming(ids, settings) for ids in prompts_ids])
     start = time.perf_counter()
     runs = generate_batch(pair, args.prompt, settings, prompts_ids=prompts_ids)
     batch_s = time.perf_counter() - start
