@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import gradio as gr
 
@@ -68,6 +68,19 @@ def open_stream(page: Page, settings, prompt_ids: list[int] | None = None) -> tu
     return pair, _chained(first, updates)
 
 
+def opening(page: Page, settings, shown: Callable[[str], tuple]) -> Generator[tuple, None, tuple]:
+    """A new run's start, as Run and Step show it (shown: a status's HTML -> the outputs that show it): the request
+    checked, 'loading models…' while the pair loads, then the speculative prefill with the prompt's length; returns
+    the pair, its stream and the prompt's ids (encoded once, for the stream too)."""
+    check_request(page.prompt, settings)
+    if not page.pair_loaded():
+        yield shown(note_html("loading models…"))
+    prompt_ids = encode_prompts(page.pair(), [page.prompt], settings)[0]
+    yield shown(note_html(prefilling("speculative", len(prompt_ids))))
+    pair, updates = open_stream(page, settings, prompt_ids)
+    return pair, updates, prompt_ids
+
+
 def _chained(first: Update, rest: Iterator[Update]) -> Iterator[Update]:
     """The first update again, then the rest; closing it closes the stream (itertools.chain cannot)."""
     yield first
@@ -125,17 +138,15 @@ def run(page: Page, request=None):
     """Speculative decoding (then the baseline, if asked): the page once per round."""
     view = View(show_rounds=bool(page.show_rounds))
     stepping.drop(request)  # a plain run ends any stepping
+    charts = [True]  # the last run's charts go with the first yield
+
+    def shown(status: str) -> tuple:
+        view.status, with_charts, charts[0] = status, charts[0], False
+        return view.outputs(final=False, with_charts=with_charts)
+
     try:
         settings = page.settings()
-        check_request(page.prompt, settings)
-        loaded = page.pair_loaded()
-        if not loaded:
-            view.status = note_html("loading models…")
-            yield view.outputs(final=False)
-        prompt_ids = encode_prompts(page.pair(), [page.prompt], settings)[0]
-        view.status = note_html(prefilling("speculative", len(prompt_ids)))
-        yield view.outputs(final=False, with_charts=loaded)  # the last run's charts go with the first yield
-        pair, updates = open_stream(page, settings, prompt_ids)
+        pair, updates, prompt_ids = yield from opening(page, settings, shown)
     except FAILURES as err:
         view.status = error_html(f"Error: {err}")
         yield view.outputs()
@@ -165,12 +176,7 @@ def step(page: Page, request=None, within_round: bool = False):
         else:
             try:
                 settings = page.settings()
-                check_request(page.prompt, settings)
-                if not page.pair_loaded():
-                    yield status_only(note_html("loading models…"))
-                prompt_ids = encode_prompts(page.pair(), [page.prompt], settings)[0]
-                yield status_only(note_html(prefilling("speculative", len(prompt_ids))))
-                pair, updates = open_stream(page, settings, prompt_ids)
+                pair, updates, _ = yield from opening(page, settings, status_only)
             except FAILURES as err:
                 yield View(status=error_html(f"Error: {err}")).outputs()
                 return
