@@ -264,7 +264,9 @@ def silu_table() -> torch.Tensor:
     `layers` look up in bfloat16 (computed here, by this machine's ATen kernel, so it is ATen's bits)."""
     bits = torch.arange(65536, dtype=torch.int32)
     values = torch.where(bits < 32768, bits, bits - 65536).to(torch.int16).view(torch.bfloat16)
-    return torch.nn.functional.silu(values).view(torch.int16).contiguous()
+    table = torch.zeros(65537, dtype=torch.int16)  # one entry before the first: the C code gathers 32-bit words
+    table[1:] = torch.nn.functional.silu(values).view(torch.int16)  # ending at each entry it reads
+    return table[1:]
 
 
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
