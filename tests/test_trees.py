@@ -193,8 +193,8 @@ def test_tree_attention_and_the_moved_path_equal_fresh_forwards(random_pair, kin
 
 def test_a_tree_made_on_the_device_is_the_one_its_parents_spell():
     """Depths and who sees whom, made with matrix products on the device (so a drafted tree is verified without
-    a read), against the definition walked node by node: random trees of up to 12 nodes, rows of other sizes
-    (holes: depth 0, seeing only themselves), a chain and a lone root."""
+    a read) and from host lists on the CPU, both against the definition walked node by node: random trees of up
+    to 12 nodes, rows of other sizes (holes: depth 0, seeing only themselves), a chain and a lone root."""
     def walked(row, width):
         depth, seen = [0] * width, [{i} for i in range(width)]
         for i, parent in enumerate(row):
@@ -206,10 +206,14 @@ def test_a_tree_made_on_the_device_is_the_one_its_parents_spell():
     for width in (1, 2, 5, 13):
         rows = [[int(torch.randint(-1, i, (), generator=gen)) for i in range(int(n))]
                 for n in torch.randint(0, width, (4,), generator=gen)] + [list(range(-1, width - 2)), []]
-        tree = Tree.of(rows, width, torch.device("cpu"))
+        tree = Tree.of(rows, width, torch.device("cpu"))  # on the CPU, from host lists
+        padded = [row + [-2] * (width - 1 - len(row)) for row in rows]
+        doubled = Tree._by_doubling(torch.tensor(padded, dtype=torch.long))
         for b, row in enumerate(rows):
             depth, visible = walked(row, width)
-            assert tree.depth[b].tolist() == depth and tree.visible[b].tolist() == visible, (width, row)
+            for made in (tree, doubled):
+                assert made.depth[b].tolist() == depth and made.visible[b].tolist() == visible, (width, row)
+        assert tree.depth.dtype == doubled.depth.dtype and tree.visible.dtype == doubled.visible.dtype
 
 
 def test_tree_shape_and_validation():

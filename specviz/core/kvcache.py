@@ -366,6 +366,12 @@ class Tree:
         seeing itself only). Made there, so a tree drafted there is verified without a read: node i sees j
         when j is i or an ancestor, and its depth is how many those are; ancestors by doubling the paths
         of one step up (a matrix product a pass: paths up to t - 2 steps in log2 t passes)."""
+        if parents.device.type == "cpu":  # nothing to wait for: a few lists beat a dozen small operations
+            return Tree._from_lists(parents.tolist())
+        return Tree._by_doubling(parents)
+
+    @staticmethod
+    def _by_doubling(parents: torch.Tensor) -> Tree:
         rows, n = parents.shape
         real = parents >= -1
         up = F.one_hot((parents + 1).clamp_min(0), n + 1)[..., 1:].float()  # [B, n, n]: node -> its parent
@@ -379,6 +385,26 @@ class Tree:
         visible[:, 1:, 1:] = seen
         visible[:, 1:, 0] = real
         return Tree(F.pad(depth, (1, 0)), visible)
+
+    @staticmethod
+    def _from_lists(parents: list[list[int]]) -> Tree:
+        """from_parents' tree from host lists (the same tensors): each node's ancestors by walking up."""
+        n = len(parents[0]) if parents else 0
+        depths, visible = [], []
+        for row in parents:
+            lines = [[True] + [False] * n]  # the root sees itself
+            depth = [0]
+            for i, parent in enumerate(row):
+                line = [parent >= -1] + [False] * n  # a hole sees itself alone, not the root
+                line[1 + i], steps, at = True, 1, parent
+                while at >= 0:
+                    line[1 + at], steps, at = True, steps + 1, row[at]
+                lines.append(line)
+                depth.append(steps if parent >= -1 else 0)
+            visible.append(lines)
+            depths.append(depth)
+        return Tree(torch.tensor(depths, dtype=torch.long).view(len(parents), n + 1),
+                    torch.tensor(visible, dtype=torch.bool).view(len(parents), n + 1, n + 1))
 
 
 def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
