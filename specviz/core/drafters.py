@@ -352,12 +352,13 @@ class EagleDrafter:
                     if level <= gm:
                         picks[row], child_q[row] = draw_children(q[row], kk, generators[row])
             else:
-                picks = torch.topk(logits, k, dim=-1).indices  # [B, f, k]
+                picks = native.topk(logits.reshape(-1, logits.shape[-1]), k)[1].view(*logits.shape[:2], k)  # [B, f, k]
             logp = logits.log_softmax(-1).gather(-1, picks)  # ranked by the head's own (unwarped) probability
             tokens.append(picks.flatten(1))
             parents.append(beam_ids[:, :, None].expand(-1, -1, kk).flatten(1))
             scores.append((fed_score[:, :, None] + logp).flatten(1))
-            fed_of += [sum(x.shape[1] for x in fed_logits) + j // kk for j in range(logits.shape[1] * kk)]
+            fed = sum(x.shape[1] for x in fed_logits)  # fed nodes of the levels above
+            fed_of += [fed + j // kk for j in range(logits.shape[1] * kk)]
             fed_logits.append(logits)
             if sampled:  # chosen nodes get one-hot rows in _proposals: no [B, f·k, N] copy per level
                 node_q.append(child_q.flatten(1, 2))
