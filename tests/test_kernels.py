@@ -653,8 +653,10 @@ def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
         assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
-        many = x.repeat(5, 1, 1).view(90, 77)  # from 64 rows on the rows are shared among threads: the same bits
+        many = x.repeat(5, 1, 1).view(90, 77)  # from 2 rows on the rows are shared among threads: the same bits
         assert torch.equal(rms_norm(many, norm.weight, 1e-5), got.repeat(5, 1, 1).view(90, 77))
+        for row in (0, 4, 8):  # a row alone (on the calling thread) as among others
+            assert torch.equal(rms_norm(x[1, row : row + 1], norm.weight, 1e-5), got[1, row : row + 1])
         if native.runs_here():  # one call, not torch's operations (which would give transformers' bits exactly)
             calls = []
             monkeypatch.setattr(native, "rms_bf16", lambda *a: calls.append(a) or want)
@@ -782,7 +784,7 @@ def test_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(r
 def test_silu_times_up_in_one_call_is_atens(monkeypatch):
     """native.silu_mul_bf16 (a bf16 layer's MLP on a CPU): SiLU(gate) * up of a fused projection's output, bitwise
     ATen's F.silu(gate) * up for every one of the 65,536 bfloat16 gates (NaN where ATen's is NaN), 8 x 16 rows
-    (shared among threads from 64 rows on), and 2 x 2 rows."""
+    (shared among threads from 2 rows on), 2 x 2 rows, and a row alone as among others."""
     from specviz.models import native
 
     if not native.runs_here():
@@ -797,6 +799,7 @@ def test_silu_times_up_in_one_call_is_atens(monkeypatch):
     gate, up = gate.reshape(8, 16, 512), up.reshape(8, 16, 512)
     got = native.silu_mul_bf16(torch.cat([gate, up], -1))
     torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(native.silu_mul_bf16(torch.cat([gate, up], -1)[3, 5:6]), got[3, 5:6])
     with pytest.raises(TypeError):
         native.silu_mul_bf16(up.float())
 
