@@ -459,7 +459,7 @@ static inline uint16_t to_bf16(float f)
 
 /* Eight bfloat16 numbers rounded from float32 lanes as to_bf16 rounds each (to nearest even; a NaN stays a NaN
    with the quiet bit set), in lane order. */
-static inline __m128i round8_bf16(__m256 f)
+INLINE __m128i round8_bf16(__m256 f)
 {
     const __m256i u = _mm256_castps_si256(f), high = _mm256_srli_epi32(u, 16);
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
@@ -469,24 +469,34 @@ static inline __m128i round8_bf16(__m256 f)
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 
-static inline __m256 widen8_bf16(const uint16_t *p)
+INLINE __m256 load8_bf16(const uint16_t *p)
 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-static inline __m256 widen8_bits(__m128i h) /* eight bfloat16 numbers held in a register, widened */
+/* The first min(count, 8) of p as float32, zeros after (a head dimension that is not a multiple of 8). */
+INLINE __m256 load_bf16(const uint16_t *p, int64_t count)
 {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    if (count >= 8)
+        return load8_bf16(p);
+    uint16_t part[8] = {0};
+    memcpy(part, p, sizeof(uint16_t) * (size_t)count);
+    return load8_bf16(part);
 }
 
-static inline float sum8_of(__m256 v) /* halves, then pairs, then the last two (the attention's sum8) */
+INLINE float sum8(__m256 v) /* one fixed order: halves, then pairs, then the last two */
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* The sum of squares in eight lanes (each lane its own chain of fused multiply-adds, then sum8_of), a row's
+INLINE __m256 widen8_bits(__m128i h) /* eight bfloat16 numbers held in a register, widened */
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The sum of squares in eight lanes (each lane its own chain of fused multiply-adds, then sum8), a row's
    numbers never depending on the rows beside it; the rest eight at a time with to_bf16's roundings, so the same
    bits as the scalar tail. A scalar running sum (this function until 2026-11-30) was a chain of n dependent adds:
    1.5 us a row of 576 on CPU C, 27 us of a 9-token verify's layer. */
@@ -497,22 +507,16 @@ void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int row
         const uint16_t *xr = x + (size_t)r * n;
         uint16_t *yr = y + (size_t)r * n;
         __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i += 8) { /* the last chunk zero-padded */
+            const __m256 v = load_bf16(xr + i, n - i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        const float scale = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(sum8(acc) / (float)n + eps))); /* IEEE */
+        const __m256 s = _mm256_set1_ps(scale);
         int i = 0;
         for (; i + 8 <= n; i += 8) {
-            const __m256 v = widen8_bf16(xr + i);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        if (i < n) { /* the last chunk zero-padded */
-            uint16_t part[8] = {0};
-            memcpy(part, xr + i, sizeof(uint16_t) * (size_t)(n - i));
-            const __m256 v = widen8_bf16(part);
-            acc = _mm256_fmadd_ps(v, v, acc);
-        }
-        const float scale = 1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(sum8_of(acc) / (float)n + eps))); /* IEEE */
-        const __m256 s = _mm256_set1_ps(scale);
-        for (i = 0; i + 8 <= n; i += 8) {
-            const __m256 normed = widen8_bits(round8_bf16(_mm256_mul_ps(widen8_bf16(xr + i), s)));
-            _mm_storeu_si128((__m128i *)(yr + i), round8_bf16(_mm256_mul_ps(widen8_bf16(w + i), normed)));
+            const __m256 normed = widen8_bits(round8_bf16(_mm256_mul_ps(load8_bf16(xr + i), s)));
+            _mm_storeu_si128((__m128i *)(yr + i), round8_bf16(_mm256_mul_ps(load8_bf16(w + i), normed)));
         }
         for (; i < n; i++)
             yr[i] = to_bf16(from_bf16(w[i]) * from_bf16(to_bf16(from_bf16(xr[i]) * scale)));
@@ -551,28 +555,6 @@ INLINE __m256 exp_neg(__m256 x)
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-INLINE __m256 load8_bf16(const uint16_t *p)
-{
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* The first min(count, 8) of p as float32, zeros after (a head dimension that is not a multiple of 8). */
-INLINE __m256 load_bf16(const uint16_t *p, int64_t count)
-{
-    if (count >= 8)
-        return load8_bf16(p);
-    uint16_t part[8] = {0};
-    memcpy(part, p, sizeof(uint16_t) * (size_t)count);
-    return load8_bf16(part);
-}
-
-INLINE float sum8(__m256 v) /* one fixed order: halves, then pairs, then the last two */
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 #define MAX_REP 16     /* query heads per key head */
@@ -812,12 +794,12 @@ INLINE void rope_store(const void *qkv, const void *cos, const void *sin, const 
             if (half % 8 == 0) { /* eight at a time in each half, the same roundings (negating is exact) */
                 const __m256 sign = _mm256_set1_ps(-0.0f);
                 for (int64_t d = 0; d < half; d += 8) {
-                    const __m256 lo = widen8_bf16(x + d), hi = widen8_bf16(x + d + half);
-                    const __m256 lo_c = widen8_bits(round8_bf16(_mm256_mul_ps(lo, widen8_bf16(c + d))));
+                    const __m256 lo = load8_bf16(x + d), hi = load8_bf16(x + d + half);
+                    const __m256 lo_c = widen8_bits(round8_bf16(_mm256_mul_ps(lo, load8_bf16(c + d))));
                     const __m256 hi_s = widen8_bits(round8_bf16(_mm256_mul_ps(_mm256_xor_ps(hi, sign),
-                                                                              widen8_bf16(s + d))));
-                    const __m256 hi_c = widen8_bits(round8_bf16(_mm256_mul_ps(hi, widen8_bf16(c + d + half))));
-                    const __m256 lo_s = widen8_bits(round8_bf16(_mm256_mul_ps(lo, widen8_bf16(s + d + half))));
+                                                                              load8_bf16(s + d))));
+                    const __m256 hi_c = widen8_bits(round8_bf16(_mm256_mul_ps(hi, load8_bf16(c + d + half))));
+                    const __m256 lo_s = widen8_bits(round8_bf16(_mm256_mul_ps(lo, load8_bf16(s + d + half))));
                     _mm_storeu_si128((__m128i *)((uint16_t *)out + d), round8_bf16(_mm256_add_ps(lo_c, hi_s)));
                     _mm_storeu_si128((__m128i *)((uint16_t *)out + d + half), round8_bf16(_mm256_add_ps(hi_c, lo_s)));
                 }
@@ -848,7 +830,7 @@ static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n)
 {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(x + i), round8_bf16(_mm256_add_ps(widen8_bf16(x + i), widen8_bf16(y + i))));
+        _mm_storeu_si128((__m128i *)(x + i), round8_bf16(_mm256_add_ps(load8_bf16(x + i), load8_bf16(y + i))));
     for (; i < n; i++)
         x[i] = to_bf16(from_bf16(x[i]) + from_bf16(y[i]));
 }
@@ -872,7 +854,7 @@ void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16
             const __m256i at = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + i)));
             const __m256i words = _mm256_i32gather_epi32((const int *)(silu - 1), at, 2);
             const __m256 s = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xffff0000u)));
-            _mm_storeu_si128((__m128i *)(act + r * I + i), round8_bf16(_mm256_mul_ps(s, widen8_bf16(up + i))));
+            _mm_storeu_si128((__m128i *)(act + r * I + i), round8_bf16(_mm256_mul_ps(s, load8_bf16(up + i))));
         }
         for (; i < I; i++)
             act[r * I + i] = to_bf16(from_bf16(silu[gate[i]]) * from_bf16(up[i]));
