@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from specviz.core import sampling
-from specviz.core.generator import READS_WAIT, Settings, generate, generate_batch, reads_wait
+from specviz.core.generator import Settings, generate, generate_batch
+from specviz.core.kvcache import READS_WAIT, reads_wait
 from specviz.tools.syncs import SyncCounter
 
 

@@ -13,7 +13,6 @@ rounds by closing it.
 
 from __future__ import annotations
 
-import contextvars
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +49,7 @@ from .events import (
     RunMeta,
     TopToken,
 )
-from .kvcache import CACHE_KINDS, KVState, Tree, on_device, read_together, stacked
+from .kvcache import CACHE_KINDS, KVState, Tree, on_device, read_together, reads_wait, stacked
 from .sampling import (
     SamplingParams,
     accept_or_resample,
@@ -183,17 +182,6 @@ class TokenTexts:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
-
-# whether a read makes the host wait, if not by the device: tools.syncs.SyncCounter counts as on a GPU
-READS_WAIT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("reads_wait", default=None)
-
-
-def reads_wait(device: torch.device) -> bool:
-    """Whether reading a value back makes the host wait for the device's queue of kernels (CUDA, MPS), so
-    that a round does better to compute more and read once. On a CPU the host is the device and a read is a
-    load: there a sampled walk asks for what it needs, instead of drawing for every node it could end at."""
-    forced = READS_WAIT.get()
-    return device.type != "cpu" if forced is None else forced
 
 
 def _sync(device: torch.device) -> None:

@@ -21,6 +21,7 @@ instructions: README, "Speed").
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from collections.abc import Callable
@@ -366,7 +367,7 @@ class Tree:
         seeing itself only). Made there, so a tree drafted there is verified without a read: node i sees j
         when j is i or an ancestor, and its depth is how many those are; ancestors by doubling the paths
         of one step up (a matrix product a pass: paths up to t - 2 steps in log2 t passes)."""
-        if parents.device.type == "cpu":  # nothing to wait for: a few lists beat a dozen small operations
+        if not reads_wait(parents.device):  # a read is a load: a few lists beat a dozen small operations
             return Tree._from_lists(parents.tolist())
         return Tree._by_doubling(parents)
 
@@ -405,6 +406,19 @@ class Tree:
             depths.append(depth)
         return Tree(torch.tensor(depths, dtype=torch.long).view(len(parents), n + 1),
                     torch.tensor(visible, dtype=torch.bool).view(len(parents), n + 1, n + 1))
+
+
+# whether a read makes the host wait, if not by the device: tools.syncs.SyncCounter counts as on a GPU
+READS_WAIT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("reads_wait", default=None)
+
+
+def reads_wait(device: torch.device) -> bool:
+    """Whether reading a value back makes the host wait for the device's queue of kernels (CUDA, MPS), so
+    that a round does better to compute more and read once. On a CPU the host is the device and a read is a
+    load: there a sampled walk asks for what it needs, instead of drawing for every node it could end at, and
+    a tree's mask is made from host lists."""
+    forced = READS_WAIT.get()
+    return device.type != "cpu" if forced is None else forced
 
 
 def on_device(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

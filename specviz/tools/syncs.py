@@ -8,7 +8,7 @@ speculative round is bound by these waits and the launches between them, not by 
 (gpt-fast's decode loop keeps them out). The counter sits at the Python level (a TorchFunctionMode),
 so a run on a CPU counts the waits the same code makes on CUDA; compiled graphs are not looked into,
 so count eager runs. Where the decoder takes another way on a CPU, whose reads cost nothing
-(`generator.reads_wait`), the counter has it take the GPU's.
+(`kvcache.reads_wait`), the counter has it take the GPU's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..core.generator import READS_WAIT
+from ..core.kvcache import READS_WAIT
 
 T = torch.Tensor
 READS = {T.item: "item", T.tolist: "tolist", T.__bool__: "bool", T.__int__: "int", T.__float__: "float",
