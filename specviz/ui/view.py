@@ -21,10 +21,10 @@ STEP_HINT = ('<div class="sv-note">Step runs one round and pauses on it; Next â–
              "token. Continue runs to the end.</div>")
 
 
-
 def status_only(status: str) -> tuple:
     """The page's outputs with the status alone changed (the last run's view stays until the next one shows)."""
     return tuple(status if name == "status" else gr.skip() for name in OUTPUT_NAMES)
+
 
 @dataclass
 class View:
