@@ -434,8 +434,8 @@ void specviz_gemm_amx(const void *x, const void *w, const float *bias, void *y, 
    rows are shared among OpenMP threads, which changes no row's bits. Inside a forward a row's arithmetic is
    small, but its numbers arrive from the other core's cache (the products share their columns among threads):
    in a 9-token verify of the offline target on CPU C (Intel Xeon, AMX; 2 threads) the norms, RoPE and SiLU of
-   the 30 layers took 1.21 ms on one thread and 0.74 ms shared (rdtsc around each, 2026-11-30; until then rows
-   were shared from 64 on). */
+   the 30 layers took 1.21 ms on one thread and 0.74 ms shared (timed by hand: rdtsc around each in a build outside
+   the repo, 2026-11-30; until then rows were shared from 64 on). */
 #include <string.h>
 
 #define THREADED_ROWS 2 /* from this many rows on, the row-by-row functions below share rows among threads */
@@ -499,7 +499,7 @@ INLINE __m256 widen8_bits(__m128i h) /* eight bfloat16 numbers held in a registe
 /* The sum of squares in eight lanes (each lane its own chain of fused multiply-adds, then sum8), a row's
    numbers never depending on the rows beside it; the rest eight at a time with to_bf16's roundings, so the same
    bits as the scalar tail. A scalar running sum (this function until 2026-11-30) was a chain of n dependent adds:
-   1.5 us a row of 576 on CPU C, 27 us of a 9-token verify's layer. */
+   1.5 us a row of 576 on CPU C (timed by hand). */
 void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps)
 {
 #pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
