@@ -653,8 +653,9 @@ def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         steps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
         assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
-        many = x.repeat(5, 1, 1).view(90, 77)  # from 2 rows on the rows are shared among threads: the same bits
-        assert torch.equal(rms_norm(many, norm.weight, 1e-5), got.repeat(5, 1, 1).view(90, 77))
+        many = x.repeat(5, 1, 1).view(90, 77)
+        for share in (True, False):  # the rows shared among threads or on one: the same bits
+            assert torch.equal(rms_norm(many, norm.weight, 1e-5, share), got.repeat(5, 1, 1).view(90, 77))
         for row in (0, 4, 8):  # a row alone (on the calling thread) as among others
             assert torch.equal(rms_norm(x[1, row : row + 1], norm.weight, 1e-5), got[1, row : row + 1])
         if native.runs_here():  # one call, not torch's operations (which would give transformers' bits exactly)
@@ -784,7 +785,7 @@ def test_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(r
 def test_silu_times_up_in_one_call_is_atens(monkeypatch):
     """native.silu_mul_bf16 (a bf16 layer's MLP on a CPU): SiLU(gate) * up of a fused projection's output, bitwise
     ATen's F.silu(gate) * up for every one of the 65,536 bfloat16 gates (NaN where ATen's is NaN), 8 x 16 rows
-    (shared among threads from 2 rows on), 2 x 2 rows, and a row alone as among others."""
+    (shared among threads or on one), 2 x 2 rows, and a row alone as among others."""
     from specviz.models import native
 
     if not native.runs_here():
@@ -797,8 +798,9 @@ def test_silu_times_up_in_one_call_is_atens(monkeypatch):
     assert got.shape == (2, 2, 16384) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=0, atol=0, equal_nan=True)
     gate, up = gate.reshape(8, 16, 512), up.reshape(8, 16, 512)
-    got = native.silu_mul_bf16(torch.cat([gate, up], -1))
-    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=0, atol=0, equal_nan=True)
+    for share in (True, False):
+        got = native.silu_mul_bf16(torch.cat([gate, up], -1), share)
+        torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(native.silu_mul_bf16(torch.cat([gate, up], -1)[3, 5:6]), got[3, 5:6])
     with pytest.raises(TypeError):
         native.silu_mul_bf16(up.float())
@@ -899,19 +901,22 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
         lean = LeanLlama.of(model)
         with torch.inference_mode():
             fused, layered = run(model, True), run(model, False)
+            monkeypatch.setitem(lean.shared_rows, 2 * 5, not lean.shared_rows[2 * 5])
+            flipped = run(model, True)  # the verify's rows shared among threads or on one: the same bits
         assert set(lean.native_plans) >= {1 * 2, 5 * 2} and all(lean.native_plans.values())
-        for a, b in zip(fused, layered, strict=True):
-            assert torch.equal(a, b)
+        for a, b, c in zip(fused, layered, flipped, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
     assert models[1].model.layers[0].self_attn.o_proj.bias is not None
     lean.native_plans.clear()
     monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
     monkeypatch.setitem(lean.layers[-1].down.paths, 2, "linear")  # its fastest path at 2 rows has no C function
     calls = kernels.table(torch.bfloat16).calls.setdefault(lean.calls_key(), {})
-    calls["2"] = {"one call": 2.0, "per op": 1.0}  # as if timed: op by op faster
-    assert lean.native_weights(2) is None and lean.native_weights(10) is not None
-    calls["2"] = {"one call": 1.0, "per op": 2.0}  # one call (through the path's C function) faster
-    lean.native_plans.clear()
-    assert lean.native_weights(2) is not None and lean.layers[-1].down.call_paths[2] == path
+    # as if timed: op by op faster, with the rows on one thread
+    calls["2"] = {"one call": 2.0, "per op": 1.5, "one call, rows alone": 2.0, "per op, rows alone": 1.0}
+    assert lean.native_weights(2) is None and lean.native_weights(10) is not None and not lean.shared_rows[2]
+    calls["2"] = {"one call": 1.0, "per op": 2.0, "one call, rows alone": 1.5, "per op, rows alone": 2.0}
+    lean.native_plans.clear()  # one call (through the path's C function) faster, the rows shared
+    assert lean.native_weights(2) is not None and lean.layers[-1].down.call_paths[2] == path and lean.shared_rows[2]
 
 
 @pytest.mark.parametrize("path", ["avx512-dot", "avx2"])
@@ -997,6 +1002,9 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
                 torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * b.abs().max().item())
             for a, b in zip(fused, run(True, prompts, 1), strict=True):  # a verify row = a one-token step
                 assert torch.equal(a, b)
+            for share in (True, False):  # the row-by-row functions' rows shared among threads or on one
+                monkeypatch.setitem(lean.shared_rows, 2 * 3, share)
+                assert all(torch.equal(a, b) for a, b in zip(fused, run(True, prompts, 3), strict=True))
             alone = run(True, prompts[1:], 1)  # the second row alone (its prompt unpadded)
             for a, b in zip(fused[:-1], alone[:-1], strict=True):
                 assert torch.equal(a[1:], b)
@@ -1033,9 +1041,11 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
         other.save()
         plan = lean.native_weights(2)
     ms = kernels.table(torch.float32).calls[lean.calls_key()]["2"]
-    assert set(ms) == {"one call", "per op"} and all(t > 0 for t in ms.values())
-    assert (plan is not None) == (ms["one call"] <= ms["per op"])
-    assert set(timed) == {(1, 2)} and len(timed) == 2 * (leanllama.CALL_REPEATS + 1)
+    # op by op in float32 runs no row-by-row C function: no way of it with the rows alone
+    assert set(ms) == {"one call", "per op", "one call, rows alone"} and all(t > 0 for t in ms.values())
+    assert (plan is not None) == (min(ms["one call"], ms["one call, rows alone"]) <= ms["per op"])
+    assert lean.shared_rows[2] == (ms["one call"] <= ms["one call, rows alone"] or plan is None)
+    assert set(timed) == {(1, 2)} and len(timed) == 3 * (leanllama.CALL_REPEATS + 1)
     assert 2 not in lean.native_plans or lean.native_plans[2] is plan  # the timing left no plan of its own
     kernels.forget()  # a later start: the table's file
     lean.native_plans.clear()

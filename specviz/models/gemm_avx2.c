@@ -430,15 +430,13 @@ void specviz_gemm_amx(const void *x, const void *w, const float *bias, void *y, 
 /* RMSNorm of bfloat16 rows as transformers' LlamaRMSNorm computes it (leanllama.rms_norm): a row widened
    to float32, times 1 / sqrt(mean of its squares + eps), rounded to bfloat16, times the weight, rounded
    again, each rounding to nearest even as torch rounds. Only the order of the sum of squares differs
-   from ATen's. A one-token step's row on the calling thread; from two rows on (a verify, a batch, a prefill) the
-   rows are shared among OpenMP threads, which changes no row's bits. Inside a forward a row's arithmetic is
-   small, but its numbers arrive from the other core's cache (the products share their columns among threads):
-   in a 9-token verify of the offline target on CPU C (Intel Xeon, AMX; 2 threads) the norms, RoPE and SiLU of
-   the 30 layers took 1.21 ms on one thread and 0.74 ms shared (timed by hand: rdtsc around each in a build outside
-   the repo, 2026-11-30; until then rows were shared from 64 on). */
+   from ATen's. With `share` (and more than one row) the rows are shared among OpenMP threads, which changes no
+   row's bits, only the time: a row's arithmetic is small, but inside a forward its numbers arrive from the other
+   core's cache (the products share their columns among threads), so whether starting the threads pays depends on
+   the machine and the row count, and the caller decides from this machine's timing (native.rms_bf16). */
 #include <string.h>
 
-#define THREADED_ROWS 2 /* from this many rows on, the row-by-row functions below share rows among threads */
+#define SHARED(rows) (share && (rows) > 1) /* whether the row-by-row functions below share rows among threads */
 
 static inline float from_bf16(uint16_t h)
 {
@@ -500,9 +498,9 @@ INLINE __m256 widen8_bits(__m128i h) /* eight bfloat16 numbers held in a registe
    numbers never depending on the rows beside it; the rest eight at a time with to_bf16's roundings, so the same
    bits as the scalar tail. A scalar running sum (this function until 2026-11-30) was a chain of n dependent adds:
    1.5 us a row of 576 on CPU C (timed by hand). */
-void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps)
+void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps, int share)
 {
-#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
+#pragma omp parallel for schedule(static) if (SHARED(rows))
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (size_t)r * n;
         uint16_t *yr = y + (size_t)r * n;
@@ -762,16 +760,14 @@ static void attend_f32(const float *q, const float *k, const float *v, const uin
    each of x * cos and rotate_half(x) * sin rounded to bfloat16, then their sum. qkv: [B, t, H + 2 KV, D]
    (the fused projection's output), cos and sin: [B, t, D]; q_out: [B, t, H, D]; k_cache and v_cache:
    [B, KV, capacity, D]; slots: int64, row b's t slot numbers from slots + b * dims[6] (0: the same for every
-   row). Row by row: on the calling thread for a step or a verify (a few thousand numbers, less than starting
-   threads costs), shared among OpenMP threads from 64 rows on (a prefill, a sampled batch), which does not
-   change any row's bits. f32 (rope_store_f32, for specviz_layers): float32 tensors, x * cos + turned * sin in
+   row); dims[7]: share the rows among threads (as specviz_rms_bf16's `share`). f32 (rope_store_f32, for specviz_layers): float32 tensors, x * cos + turned * sin in
    float32 (the compiler may fuse one product into the sum: within rounding of ATen's, not its bits). */
 INLINE void rope_store(const void *qkv, const void *cos, const void *sin, const int64_t *slots, void *q_out,
                        void *k_cache, void *v_cache, const int64_t *dims, int f32)
 {
     const int64_t B = dims[0], T = dims[1], H = dims[2], KV = dims[3], D = dims[4], C = dims[5], half = D / 2,
-                  slot_stride = dims[6], size = f32 ? 4 : 2;
-#pragma omp parallel for schedule(static) if (B * T >= THREADED_ROWS)
+                  slot_stride = dims[6], size = f32 ? 4 : 2, share = dims[7];
+#pragma omp parallel for schedule(static) if (SHARED(B * T))
     for (int64_t bi = 0; bi < B * T; bi++) {
         const int64_t b = bi / T, i = bi % T, co = (b * T + i) * D;
         for (int64_t h = 0; h < H + 2 * KV; h++) {
@@ -842,10 +838,11 @@ static void add_f32(float *x, const float *y, int64_t n)
 }
 
 /* act[r, i] = SiLU(gate) * up, gate_up [rows, 2 I] (gate, then up): SiLU from the table, the product rounded.
-   Threaded from THREADED_ROWS rows on, as specviz_rms_bf16 (and the float32 twins below) are. */
-void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16_t *act, int64_t rows, int64_t I)
+   Rows shared among threads with `share`, as specviz_rms_bf16's (and the float32 twins' below). */
+void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16_t *act, int64_t rows, int64_t I,
+                           int64_t share)
 {
-#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
+#pragma omp parallel for schedule(static) if (SHARED(rows))
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * I, *up = gate + I;
         int64_t i = 0;
@@ -863,10 +860,10 @@ void specviz_silu_mul_bf16(const uint16_t *gate_up, const uint16_t *silu, uint16
 
 /* The same in float32: SiLU(g) = g / (1 + e^-g) as ATen writes it, with e = e^-|g| (never overflows) and, for a
    negative g, g e / (1 + e); eight lanes at a time, a lane's result independent of its lane. */
-static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t I)
+static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t I, int64_t share)
 {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
+#pragma omp parallel for schedule(static) if (SHARED(rows))
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * I, *up = gate + I;
         for (int64_t i = 0; i < I; i += 8) {
@@ -881,9 +878,9 @@ static void silu_mul_f32(const float *gate_up, float *act, int64_t rows, int64_t
 }
 
 /* RMSNorm in float32: y = w (x / sqrt(mean of x^2 + eps)), the sum of squares in eight lanes, then sum8. */
-static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps)
+static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps, int64_t share)
 {
-#pragma omp parallel for schedule(static) if (rows >= THREADED_ROWS)
+#pragma omp parallel for schedule(static) if (SHARED(rows))
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         __m256 acc = _mm256_setzero_ps();
@@ -898,12 +895,13 @@ static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int6
 }
 
 /* A layer's steps between its products in the model's dtype (f32, else bfloat16): the functions above. */
-static void norm(const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps, int64_t f32)
+static void norm(const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps, int64_t f32,
+                 int64_t share)
 {
     if (f32)
-        rms_f32(x, w, y, rows, n, eps);
+        rms_f32(x, w, y, rows, n, eps, share);
     else
-        specviz_rms_bf16(x, w, y, (int)rows, (int)n, eps);
+        specviz_rms_bf16(x, w, y, (int)rows, (int)n, eps, (int)share);
 }
 
 static void attend_any(const void *q, const void *k, const void *v, const uint8_t *mask, void *out,
@@ -923,12 +921,13 @@ static void add(void *x, const void *y, int64_t n, int64_t f32)
         add_bf16(x, y, n);
 }
 
-static void silu_mul(const void *gate_up, const uint16_t *silu, void *act, int64_t rows, int64_t I, int64_t f32)
+static void silu_mul(const void *gate_up, const uint16_t *silu, void *act, int64_t rows, int64_t I, int64_t f32,
+                     int64_t share)
 {
     if (f32)
-        silu_mul_f32(gate_up, act, rows, I);
+        silu_mul_f32(gate_up, act, rows, I, share);
     else
-        specviz_silu_mul_bf16(gate_up, silu, act, rows, I);
+        specviz_silu_mul_bf16(gate_up, silu, act, rows, I, share);
 }
 
 /* A product of specviz_layers: y [m, n] = x [m, k] w^T + b, through the packed weight w, in the model's dtype
@@ -978,8 +977,8 @@ void specviz_gemm512_widened(const void *x, const void *w, const float *b, void 
    float32 see above. What it saves is the per-operation cost of the path above it: a dozen Python calls and ATen
    operations a layer, a few microseconds each, thirty layers a forward. The EAGLE head's one layer takes it too.
    x: [rows, C] (rows = B t), updated in place. dims: layers, B, t, C, H, KV, D, I (the MLP's width), capacity,
-   kv_len, the mask's strides (batch, query, slot), the slots' row stride (rope_store's dims[6]), and 1 for float32
-   (else bfloat16). weights: per layer norm1, norm2, then for qkv, o, gate_up and down each the product's function,
+   kv_len, the mask's strides (batch, query, slot), the slots' row stride (rope_store's dims[6]), 1 for float32
+   (else bfloat16), and whether the row-by-row steps share their rows among threads (specviz_rms_bf16's `share`). weights: per layer norm1, norm2, then for qkv, o, gate_up and down each the product's function,
    its packed weight and its bias (float32 or NULL). caches: per layer keys, values ([B, KV, capacity, D]). cos,
    sin: [B, t, D]; mask: 1 = the query sees the slot; silu: the bfloat16 table (bfloat16 only); scale: the
    attention's, as the layer-by-layer path passes it; scratch: rows (2 C + (H + 2 KV) D + 2 H D + 3 I) numbers of
@@ -989,11 +988,11 @@ void specviz_layers(void *x, const int64_t *dims, void *const *weights, void *co
                     float eps, float scale)
 {
     const int64_t layers = dims[0], B = dims[1], T = dims[2], C = dims[3], H = dims[4], KV = dims[5], D = dims[6],
-                  I = dims[7], capacity = dims[8], L = dims[9], f32 = dims[14], rows = B * T,
+                  I = dims[7], capacity = dims[8], L = dims[9], f32 = dims[14], share = dims[15], rows = B * T,
                   width = (H + 2 * KV) * D, size = f32 ? 4 : 2;
     char *h = scratch, *qkv = h + rows * C * size, *q = qkv + rows * width * size, *att = q + rows * H * D * size,
          *gu = att + rows * H * D * size, *act = gu + rows * 2 * I * size, *y = act + rows * I * size;
-    const int64_t rope_dims[7] = {B, T, H, KV, D, capacity, dims[13]}, attend_dims[6] = {B, H, KV, T, L, D};
+    const int64_t rope_dims[8] = {B, T, H, KV, D, capacity, dims[13], share}, attend_dims[6] = {B, H, KV, T, L, D};
     /* strides: q and the output [B, t, H, D] read as [B, H, t, D]; caches [B, KV, capacity, D]; mask as given */
     const int64_t strides[15] = {T * H * D, D, H * D, KV * capacity * D, capacity * D, D, KV * capacity * D,
                                  capacity * D, D, dims[10], dims[11], dims[12], T * H * D, D, H * D};
@@ -1001,15 +1000,15 @@ void specviz_layers(void *x, const int64_t *dims, void *const *weights, void *co
         void *const *w = weights + 14 * l, *k_cache = caches[2 * l], *v_cache = caches[2 * l + 1];
 #define PRODUCT(p, in, out, n, k) ((product_fn)w[2 + 3 * (p)])(in, w[3 + 3 * (p)], w[4 + 3 * (p)], out, (int)rows, \
                                                                 (int)(n), (int)(k))
-        norm(x, w[0], h, rows, C, eps, f32);
+        norm(x, w[0], h, rows, C, eps, f32, share);
         PRODUCT(0, h, qkv, width, C);
         rope_store(qkv, cos, sin, slots, q, k_cache, v_cache, rope_dims, (int)f32);
         attend_any(q, k_cache, v_cache, mask, att, attend_dims, strides, scale, f32);
         PRODUCT(1, att, y, C, H * D);
         add(x, y, rows * C, f32);
-        norm(x, w[1], h, rows, C, eps, f32);
+        norm(x, w[1], h, rows, C, eps, f32, share);
         PRODUCT(2, h, gu, 2 * I, C);
-        silu_mul(gu, silu, act, rows, I, f32);
+        silu_mul(gu, silu, act, rows, I, f32, share);
         PRODUCT(3, act, y, C, I);
         add(x, y, rows * C, f32);
 #undef PRODUCT

@@ -297,10 +297,11 @@ class KernelTable:
     skipped: dict[str, str] = field(default_factory=dict)  # path -> why this CPU cannot use it
     file: str = ""
     busy: dict[str, float] = field(default_factory=dict)  # shape -> what other processes took while it was timed
-    # a model's layers (leanllama.LeanLlama.calls_key) -> rows (a timed row count) -> ms of its layers in one C call
-    # through the fastest paths that have a C function ("one call") and op by op through the fastest paths ("per op");
-    # and a one-layer model on transformers' forward ("transformers ...", loading.compare_forwards) -> rows -> ms of
-    # its forward ("forward") and of its output head alone ("head")
+    # a model's layers (leanllama.LeanLlama.calls_key) -> rows (a timed row count) -> ms of its forward each way it may
+    # run (LeanLlama.timed_ways): its layers in one C call ("one call") or op by op ("per op"), either with the
+    # row-by-row C functions on one thread (", rows alone" after it); and a one-layer model on transformers' forward
+    # ("transformers ...", loading.compare_forwards) -> rows -> ms of its forward ("forward") and of its output head
+    # alone ("head")
     calls: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def settled(self, shape: str) -> bool:
@@ -533,7 +534,7 @@ def _add_stored(t: KernelTable) -> None:
 
 
 def keep_call(dtype: torch.dtype, key: str, rows: int, ms: dict[str, float]) -> None:
-    """Store a forward's timing (leanllama.LeanLlama.one_call_pays, loading.compare_forwards) in this machine's
+    """Store a forward's timing (leanllama.LeanLlama.timed_ways, loading.compare_forwards) in this machine's
     table, under the file's lock and with what other processes stored meanwhile."""
     with locked(_table_file(dtype)):
         t = table(dtype)

@@ -49,7 +49,8 @@ WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to on
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is this times a power of two (few shapes, few graphs)
 GRAPHS = 64  # compiled forwards: shapes compiled per process, all models together (dynamo's limit); past it, eager
 SPARE_SETS = 4  # compiled caches a model keeps for reuse once their runs end
-CALL_CONTEXT, CALL_REPEATS = 64, 5  # LeanLlama.one_call_pays: the slots a timed forward attends over; its repeats
+CALL_CONTEXT, CALL_REPEATS = 64, 5  # LeanLlama.timed_ways: the slots a timed forward attends over; its repeats
+ALONE = ", rows alone"  # LeanLlama.timed_ways: a way timed with the row-by-row C functions on one thread
 log = logging.getLogger("specviz")
 PROGRESS = {"progress": True}  # a log record that reports progress (shown as it happens), not a problem
 
@@ -179,10 +180,11 @@ def in_c(x: torch.Tensor, whole_layers: bool = False) -> bool:
             and native.runs_here())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype (see in_c)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, share: bool = True) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the model's dtype (see in_c; share: the rows
+    shared among threads there, native.rms_bf16)."""
     if in_c(x):
-        return native.rms_bf16(x, weight.to(x.dtype), eps)
+        return native.rms_bf16(x, weight.to(x.dtype), eps, share)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -297,11 +299,11 @@ def layers_plan(layers: list[tuple[list, list] | None]) -> ctypes.Array | None:
     return plan
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, share: bool = True) -> torch.Tensor:
     """SiLU(gate) * up of a fused projection's output [..., 2 I]; in bfloat16 on a CPU (`in_c`) ATen's SiLU of each
     value looked up, in one call with ATen's bits (native.silu_mul_bf16, as native.layers computes it)."""
     if in_c(gate_up):
-        return native.silu_mul_bf16(gate_up)
+        return native.silu_mul_bf16(gate_up, share)
     gate, up = gate_up.chunk(2, -1)
     return F.silu(gate) * up
 
@@ -319,15 +321,16 @@ class LeanLayer(nn.Module):
         self.down = Linear(mlp.down_proj.weight, None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int, packed: bool) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int, packed: bool,
+                share: bool = True) -> torch.Tensor:
         """x: [B, t, C]; cos, sin: [B, t, 1, D]. Writes this layer's keys and values at `slots` and
-        returns its output [B, t, C]."""
+        returns its output [B, t, C]. share: the rows shared among threads in specviz's C functions (rms_norm)."""
         batch, t = x.shape[:2]
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        h = rms_norm(x, self.norm1.weight, self.eps)
+        h = rms_norm(x, self.norm1.weight, self.eps, share)
         qkv = self.qkv(h, packed).view(batch, t, H + 2 * KV, D)  # [B, t, heads of q, k and v, D]
         if in_c(qkv) and self.q_norm is None:  # RoPE and the cache writes in one call, the same bits
-            q = native.rope_store_bf16(qkv, cos, sin, slots, k_cache, v_cache, H)
+            q = native.rope_store_bf16(qkv, cos, sin, slots, k_cache, v_cache, H, share)
         else:
             qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV :]
             if self.q_norm is not None:  # Qwen3 normalises each head before RoPE
@@ -338,8 +341,8 @@ class LeanLayer(nn.Module):
             v_cache.index_copy_(2, slots, v)
         o = attend(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)  # [B, H, t, D]
         x = x + self.o(o.transpose(1, 2).reshape(batch, t, H * D), packed)
-        h = rms_norm(x, self.norm2.weight, self.eps)
-        return x + self.down(silu_mul(self.gate_up(h, packed)), packed)
+        h = rms_norm(x, self.norm2.weight, self.eps, share)
+        return x + self.down(silu_mul(self.gate_up(h, packed), share), packed)
 
 
 class LeanLlama(nn.Module):
@@ -387,16 +390,22 @@ class LeanLlama(nn.Module):
         self.graphs = self.head.weight.device.type == "cuda"  # compiled forwards replay as CUDA graphs
         self.spare: list[tuple] = []  # compiled caches' sets no one holds (`lend`)
         self.native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
+        self.shared_rows: dict[int, bool] = {}  # rows -> whether they are shared among threads (timed_ways)
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
         """The layers' weights for native.layers at this row count (layer_plan's, layer after layer), or None
         where a layer does not fit it. Where a product's fastest path has no C function, the layers run in one call
-        through the fastest paths that have one only if that measured faster on this machine (`one_call_pays`)."""
+        through the fastest paths that have one only if that measured faster on this machine; from two rows on,
+        whether the row-by-row C functions share the rows among threads (`shared_rows`) is as measured too
+        (`timed_ways`: the fastest way)."""
         if rows not in self.native_plans:
             plan = self._plan(rows)
-            if plan is None and (plan := self._plan(rows, in_call=True)) is not None and not self.one_call_pays(
-                    rows, plan):
-                plan = None
+            per_op = plan is None and (plan := self._plan(rows, in_call=True)) is not None
+            if plan is not None and (per_op or rows > 1):
+                ms = self.timed_ways(rows, plan, per_op)
+                best = min(ms, key=ms.get)
+                plan = None if best.startswith("per op") else plan
+                self.shared_rows[rows] = not best.endswith(ALONE)
             self.native_plans[rows] = plan
         return self.native_plans[rows]
 
@@ -413,13 +422,20 @@ class LeanLlama(nn.Module):
                 f"{self.heads}/{self.kv_heads} heads of {self.head_dim}")
 
     @torch.inference_mode()
-    def one_call_pays(self, rows: int, plan: ctypes.Array) -> bool:
-        """Whether a forward of `rows` rows runs faster with its layers in one C call through `plan` than op by op
-        through each product's fastest path: timed once per machine at the row count whose kernel timings stand
-        for `rows` (kernels.timed_rows), over a context of CALL_CONTEXT slots, and kept in the kernel table."""
-        table, key, at = kernels.table(self.head.weight.dtype), self.calls_key(), kernels.timed_rows(rows)
-        ms = table.calls.get(key, {}).get(str(at))
-        if ms is None:
+    def timed_ways(self, rows: int, plan: ctypes.Array, per_op: bool) -> dict[str, float]:
+        """ms of a forward of `rows` rows each way it may run here: its layers in one C call through `plan` ("one
+        call") and, per_op, op by op through each product's fastest path ("per op"); from two rows on each of them
+        also with the row-by-row C functions on one thread (ALONE; else the rows shared among threads; op by op
+        only in bfloat16, where those functions run: `in_c`). Timed once per machine, interleaved (the fastest of
+        CALL_REPEATS after one to warm up), at the row count whose kernel timings stand for `rows`
+        (kernels.timed_rows), over a context of CALL_CONTEXT slots, and kept in the kernel table."""
+        dtype, key, at = self.embed.weight.dtype, self.calls_key(), kernels.timed_rows(rows)
+        ways = {"one call": (plan, True)} | ({"per op": (None, True)} if per_op else {})
+        if at > 1:
+            ways |= {way + ALONE: (weights, False) for way, (weights, _) in ways.items()
+                     if weights is not None or dtype == torch.bfloat16}
+        ms = kernels.table(self.head.weight.dtype).calls.get(key, {}).get(str(at), {})
+        if not set(ways) <= set(ms):
             end = CALL_CONTEXT + at
             like = self.embed.weight
             keys = [like.new_zeros(1, self.kv_heads, end, self.head_dim) for _ in self.layers]
@@ -427,20 +443,22 @@ class LeanLlama(nn.Module):
             slots = torch.arange(CALL_CONTEXT, end)
             mask = torch.ones(1, 1, at, end, dtype=torch.bool).tril(CALL_CONTEXT)
             ids = torch.zeros(1, at, dtype=torch.long)
-            held, times = self.native_plans.get(at), {"one call": [], "per op": []}
+            answers = self.native_plans, self.shared_rows
+            held = [(d, d[at]) for d in answers if at in d]
+            times = {way: [] for way in ways}
             for _ in range(CALL_REPEATS + 1):  # the first of each warms up
-                for way, weights in (("one call", plan), ("per op", None)):
-                    self.native_plans[at] = weights
+                for way, (weights, shared) in ways.items():
+                    self.native_plans[at], self.shared_rows[at] = weights, shared
                     start = time.perf_counter()
                     self.forward(ids, slots[None], mask, slots, keys, values, end, True, False, last_only=True)
                     times[way].append(1000 * (time.perf_counter() - start))
-            if held is None:
-                del self.native_plans[at]
-            else:
-                self.native_plans[at] = held
-            ms = {way: min(t[1:]) for way, t in times.items()}
+            for d in answers:  # the timing leaves no answer of its own
+                del d[at]
+            for d, was in held:
+                d[at] = was
+            ms = {**ms, **{way: min(t[1:]) for way, t in times.items()}}
             kernels.keep_call(self.head.weight.dtype, key, at, ms)
-        return ms["one call"] <= ms["per op"]
+        return {way: ms[way] for way in ways}
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -456,17 +474,18 @@ class LeanLlama(nn.Module):
         for the last `keep`) and, if asked, the last hidden state [B, t, C]."""
         x = self.embed(ids)  # [B, t, C]
         weights = self.native_weights(ids.numel()) if packed and in_c(x, whole_layers=True) else None
+        share = self.shared_rows.get(ids.numel(), True)  # the C functions' rows shared among threads, as timed
         if weights is None and not in_c(x):  # the C attention reads the boolean mask
             mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, t, 1, D], broadcast over heads
         if weights is not None:  # every layer in one C call (in bfloat16 the same bits)
             shape = (self.heads, self.kv_heads, self.head_dim, self.layers[0].down.weight.shape[1])
-            x = native.layers(x, weights, keys, values, cos, sin, slots, mask, kv_len, shape, self.eps)
+            x = native.layers(x, weights, keys, values, cos, sin, slots, mask, kv_len, shape, self.eps, share)
         else:
             for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
-                x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed)
-        x = rms_norm(x, self.norm.weight, self.eps)
+                x = layer(x, cos, sin, mask, slots, k_cache, v_cache, kv_len, packed, share)
+        x = rms_norm(x, self.norm.weight, self.eps, share)
         return self.head(x[:, -1:] if last_only else x[:, -keep:] if keep else x, packed), x if hidden else None
 
     def compiler(self):

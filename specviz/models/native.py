@@ -127,13 +127,14 @@ def library() -> ctypes.CDLL:
                   lib.specviz_gemm_dot_bf16):  # x, w, b, y, m, n, and k (the pair kernel: k / 2)
         entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
         entry.restype = None
-    lib.specviz_rms_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]  # x, w, y, rows, n
+    # x, w, y, rows, n, eps, share (the rows shared among threads or not: rms_bf16)
+    lib.specviz_rms_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.specviz_rms_bf16.restype = None
     lib.specviz_attend_bf16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float]  # q, k, v, mask, out, dims, strides
     lib.specviz_attend_bf16.restype = None
     lib.specviz_rope_store_bf16.argtypes = [ctypes.c_void_p] * 8  # qkv, cos, sin, slots, q, k and v caches, dims
     lib.specviz_rope_store_bf16.restype = None
-    lib.specviz_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2  # gate_up, table, act, rows, I
+    lib.specviz_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # gate_up table act rows I share
     lib.specviz_silu_mul_bf16.restype = None
     # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, scratch, eps, scale
     lib.specviz_layers.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
@@ -189,16 +190,22 @@ def runs_here() -> bool:
     return True
 
 
-def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, share: bool = True) -> torch.Tensor:
     """RMSNorm of bfloat16 rows x [..., n] with a bfloat16 weight [n], as transformers computes it (in
-    float32, rounded to bfloat16 before the weight), in one call (gemm_avx2.c, specviz_rms_bf16)."""
+    float32, rounded to bfloat16 before the weight), in one call (gemm_avx2.c, specviz_rms_bf16).
+
+    share: the rows shared among threads (one row never is), as in every row-by-row function here (RoPE with the
+    cache writes, SiLU times up, and those inside `layers`). Either way gives the same bits; which is faster
+    depends on the machine and the row count (a row's arithmetic is small, but inside a forward its numbers arrive
+    from the other core's cache, and starting threads has a cost of its own), so a model times its forward both
+    ways (leanllama.LeanLlama.timed_ways) and passes what was faster. Where nothing was timed they are shared."""
     n = x.shape[-1]
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.shape != (n,):
         raise TypeError(f"rms_bf16 needs bfloat16 rows and a weight of {n}, got {x.dtype} and {weight.dtype} "
                         f"{tuple(weight.shape)}")
     flat, w = x.contiguous(), weight.contiguous()
     y = torch.empty_like(flat)
-    library().specviz_rms_bf16(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // n, n, eps)
+    library().specviz_rms_bf16(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // n, n, eps, share)
     return y
 
 
@@ -236,11 +243,11 @@ def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
 
 def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, share: bool = True) -> torch.Tensor:
     """A layer's step after its fused projection, in one call: qkv [B, t, H + 2 KV, D] (bfloat16) -> q [B, H, t, D]
     rotated (a view of [B, t, H, D]), with k rotated and v written to the caches [B, KV, capacity, D] at `slots`
     ([t], or [B, t]: each row its own); cos, sin: [B, t, D] or [B, t, 1, D]. The bits of leanllama.rotate and
-    index_copy_ (gemm_avx2.c, specviz_rope_store_bf16)."""
+    index_copy_ (gemm_avx2.c, specviz_rope_store_bf16). share: as rms_bf16's."""
     batch, t, all_heads, dim = qkv.shape
     kv_heads = (all_heads - heads) // 2
     qkv, cos, sin, slots = qkv.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous()
@@ -252,7 +259,7 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
         raise ValueError("rope_store_bf16 needs contiguous bfloat16 qkv [B, t, H + 2 KV, D], cos and sin [B, t, D], "
                          "caches [B, KV, capacity, D] and int64 slots [t] or [B, t]")
     q = torch.empty(batch, t, heads, dim, dtype=torch.bfloat16)
-    dims = (ctypes.c_int64 * 7)(batch, t, heads, kv_heads, dim, k_cache.shape[2], t if slots.dim() == 2 else 0)
+    dims = (ctypes.c_int64 * 8)(batch, t, heads, kv_heads, dim, k_cache.shape[2], t if slots.dim() == 2 else 0, share)
     library().specviz_rope_store_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), q.data_ptr(),
                                       k_cache.data_ptr(), v_cache.data_ptr(), dims)
     return q.transpose(1, 2)
@@ -269,27 +276,29 @@ def silu_table() -> torch.Tensor:
     return table[1:]
 
 
-def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_bf16(gate_up: torch.Tensor, share: bool = True) -> torch.Tensor:
     """SiLU(gate) * up of a fused projection's output gate_up [..., 2 I] (bfloat16) -> [..., I]: ATen's
-    numbers (SiLU from silu_table, the product rounded to bfloat16) in one call instead of three operations."""
+    numbers (SiLU from silu_table, the product rounded to bfloat16) in one call instead of three operations.
+    share: as rms_bf16's."""
     if gate_up.dtype != torch.bfloat16 or gate_up.shape[-1] % 2:
         raise TypeError(f"silu_mul_bf16 needs bfloat16 [..., 2 I], got {gate_up.dtype} {tuple(gate_up.shape)}")
     width = gate_up.shape[-1] // 2
     flat = gate_up.reshape(-1, 2 * width).contiguous()
     act = torch.empty(*gate_up.shape[:-1], width, dtype=torch.bfloat16)
-    library().specviz_silu_mul_bf16(flat.data_ptr(), silu_table().data_ptr(), act.data_ptr(), flat.shape[0], width)
+    library().specviz_silu_mul_bf16(flat.data_ptr(), silu_table().data_ptr(), act.data_ptr(), flat.shape[0], width,
+                                    share)
     return act
 
 
 def layers(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], values: list[torch.Tensor],
            cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, kv_len: int,
-           shape: tuple[int, int, int, int], eps: float) -> torch.Tensor:
+           shape: tuple[int, int, int, int], eps: float, share: bool = True) -> torch.Tensor:
     """Decoder layers in one call (gemm_avx2.c, specviz_layers): x [B, t, C] (bfloat16 or float32) -> the last
     layer's output, what leanllama.LeanLayer.forward computes layer after layer, with every product through the
     C kernel its path runs (`weights`: 14 addresses a layer, from leanllama.LeanLlama.native_weights, which checks
     that the paths have one); in bfloat16 its bits, in float32 within rounding and row by row alone. keys and
     values [B, KV, capacity, D] are written at `slots` ([t] or [B, t]) as there. shape: H, KV, D, I. mask
-    [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D] in x's dtype."""
+    [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D] in x's dtype. share: as rms_bf16's."""
     heads, kv_heads, dim, inter = shape
     batch, t, width = x.shape
     out = x.contiguous().clone()
@@ -304,8 +313,8 @@ def layers(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], val
         raise ValueError("layers needs bfloat16 or float32 x, cos and sin [B, t, D] and contiguous caches "
                          "[B, KV, capacity, D] alike, a bool mask and one set of weights a layer")
     f32 = x.dtype == torch.float32
-    dims = (ctypes.c_int64 * 15)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
-                                 *mask.stride(), t if slots.dim() == 2 else 0, f32)
+    dims = (ctypes.c_int64 * 16)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
+                                 *mask.stride(), t if slots.dim() == 2 else 0, f32, share)
     caches = (ctypes.c_void_p * (2 * len(keys)))(*(p for k, v in zip(keys, values, strict=True)
                                                    for p in (k.data_ptr(), v.data_ptr())))
     scratch = torch.empty(batch * t * (2 * width + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter),
