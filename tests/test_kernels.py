@@ -462,6 +462,9 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     assert "| expected speedup | over 1,024 tokens of context |" in first.stdout  # and priced over a long context
     assert "c(k) as priced by the tokens already in the cache" in first.stdout and "| 2,048 | " in first.stdout
     assert "sampled (temperature > 0): expected speedup" in first.stdout  # and by τ measured when sampling
+    ways = first.stdout.split("the target's forward, ms each way it may run")[1].split("\n\n")[1].splitlines()
+    assert ways[0].startswith("| tokens |") and "rows alone" in ways[0]  # from two rows on: shared or alone
+    assert all(row.split(" | ")[-1].rstrip(" |") in ways[0] for row in ways[2:]) and len(ways) > 3
     if cap:
         assert "AVX2" in first.stdout.splitlines()[0]
     # what a later start reads: the table it stored (a later start reading it is tested in-process above)

@@ -410,6 +410,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     steps = step_times(pair, first, ["static"], widths=(1, 2, 3, 4, 5, 8, 16), repeats=args.repeats)
     print("c(k): a forward of k tokens in one-token forwards (a verify of k - 1 drafts), static cache\n")
     print(step_table(steps))
+    print(_ways_text(pair))
     print(_bit_for_bit(pair) + "\n")
     from . import costs as machine_costs
 
@@ -447,6 +448,25 @@ def context_table(costs) -> str:
         "|---|---|" + "---|" * len(widths),
         *(f"| {label} | {costs.forward(1, n):.1f} | " + " | ".join(f"{costs.c(k, n):.2f}" for k in widths) + " |"
           for label, n in rows), ""])
+
+
+def _ways_text(pair) -> str:
+    """The target's forward by row count, each way timed on this machine (LeanLlama.timed_ways: its layers in one C
+    call or op by op, the row-by-row C functions' rows shared among threads or on one), and the way taken."""
+    from ..models import kernels
+    from ..models.leanllama import LeanLlama
+
+    lean = LeanLlama.of(pair.target)
+    timed = kernels.table(pair.dtype).calls.get(lean.calls_key(), {})
+    if not timed:
+        return "the target's forward: one way only here (nothing timed between ways)\n"
+    ways = sorted({way for ms in timed.values() for way in ms})
+    lines = ["the target's forward, ms each way it may run (timed once per machine; the fastest is taken):\n",
+             "| tokens | " + " | ".join(ways) + " | taken |", "|---|" + "---|" * (len(ways) + 1)]
+    for rows, ms in sorted(timed.items(), key=lambda item: int(item[0])):
+        lines.append(f"| {rows} | " + " | ".join(f"{ms[w]:.2f}" if w in ms else "" for w in ways)
+                     + f" | {min(ms, key=ms.get)} |")
+    return "\n".join(lines) + "\n"
 
 
 def _bit_for_bit(pair) -> str:
