@@ -421,6 +421,8 @@ def test_every_instruction_set_class_decodes_in_both_dtypes(pattern_dirs, tmp_pa
             assert "'avx512-dot'" in skipped
         if cap != "AVX512_CORE_AMX":  # below AMX no tile is touched (an illegal instruction kills, not raises)
             assert "'amx'" in skipped
+        if cap in ("AVX2", "AVX512_CORE"):  # classes without VNNI: the int8 kernel is not called
+            assert "'vnni-int8'" in skipped
 
 
 @pytest.mark.slow
@@ -502,7 +504,8 @@ def test_every_registered_path_gives_transformers_logits_at_a_step_and_a_verify(
     torch.testing.assert_close(step, full[3], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("path", [name for name, p in kernels.PATHS.items() if torch.bfloat16 in p.dtypes])
+@pytest.mark.parametrize("path", [name for name, p in kernels.PATHS.items()
+                                  if torch.bfloat16 in p.dtypes and not p.lossy])  # a lossy one: drafters only
 def test_every_bfloat16_path_gives_transformers_logits_within_bfloat16(random_pair, fresh_tables, path):
     """A bfloat16 model through each path that multiplies bfloat16, chosen for every shape and row count:
     a verify's and a step's logits equal the float32 computation of the same bfloat16 weights within
@@ -633,6 +636,42 @@ def test_the_pair_kernels_multiply_bfloat16_and_each_row_alone(fresh_tables, pat
     for rows in range(2, 41):
         together = product(x[:rows].view(1, rows, k))
         assert together.shape == (1, rows, 101) and torch.equal(together[0], alone[:rows]), rows
+
+
+def test_the_int8_kernel_is_its_quantization_and_each_row_alone(fresh_tables):
+    """specviz's int8 kernel for bfloat16 drafters (AVX512-VNNI) computes what its quantization defines: weights
+    int8 per output column, each input row quantized alone to 8 bits (to nearest even), the integer sums exact, then
+    scaled (+ bias) and rounded to bfloat16: against those integers summed in float64 at most one bfloat16 step apart
+    (the compiler may fuse the last product into the bias' sum), and within int8's error of the float64 product;
+    every row count up to 14 (passes of 1-6 rows), a k that is not a multiple of 4, a width that is not a multiple of
+    64, rows of zeros and of very different sizes; a row's numbers the same alone and among others."""
+    from specviz.models import native
+
+    if why := kernels.unavailable(torch.bfloat16).get("vnni-int8"):
+        pytest.skip(f"the int8 kernel does not run here: {why}")
+    gen = torch.Generator().manual_seed(0)
+    k, n = 75, 101
+    w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+    x = (torch.randn(14, k, generator=gen) * torch.logspace(-3, 2, 14)[:, None]).bfloat16()
+    x[5] = 0
+    packed = kernels.PATHS["vnni-int8"].pack(w, 1)
+    assert packed.dtype == torch.uint8 and packed.numel() == 128 * 8 + 2 * 19 * 64 * 4  # header, 2 groups, 19 quads
+    product = native.bind_quads(packed, w, b)
+    alone = torch.cat([product(x[i : i + 1]) for i in range(14)])
+    wf, xf = w.float(), x.float()
+    scale = wf.abs().amax(1) / 127
+    q = (wf / scale[:, None]).round().clamp(-127, 127)
+    top = xf.abs().amax(1)
+    u = (xf * torch.where(top > 0, 127 / top, 0)[:, None]).round().clamp(-127, 127)
+    want = ((u.double() @ q.double().T).float() * (top / 127)[:, None] * scale + b).bfloat16()
+    steps = (alone.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
+    assert torch.equal(alone[5], b.bfloat16())  # a row of zeros: the bias alone
+    exact, plain = x.double() @ w.double().T, native.bind_quads(packed, w, None)(x).double()  # rows of any size:
+    assert ((plain - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-30)).max() < 0.03  # within a few %
+    for rows in range(2, 15):
+        together = product(x[:rows].view(1, rows, k))
+        assert together.shape == (1, rows, n) and torch.equal(together[0], alone[:rows]), rows
 
 
 def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
@@ -922,13 +961,13 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
     assert lean.native_weights(2) is not None and lean.layers[-1].down.call_paths[2] == path and lean.shared_rows[2]
 
 
-@pytest.mark.parametrize("path", ["avx512-dot", "avx2"])
+@pytest.mark.parametrize("path", ["avx512-dot", "avx2", "vnni-int8"])
 def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random_pair, fresh_tables, monkeypatch,
                                                                        path):
     """The EAGLE head's layer through native.layers (its cache in the target's layout, a slot per row and
     entry) drafts what the layer-by-layer step drafts, bit for bit: every drafted token and its q, for trees and
-    chains, greedy and sampled, a batch of rows of different lengths; a bf16 head on the pair kernel or on the AVX2
-    kernel, which widens its numbers."""
+    chains, greedy and sampled, a batch of rows of different lengths; a bf16 head on the pair kernel, on the AVX2
+    kernel, which widens its numbers, or on the int8 kernel (a drafter's lossy path)."""
     import dataclasses
 
     from specviz.core.generator import generate_batch

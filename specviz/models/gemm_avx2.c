@@ -1098,3 +1098,130 @@ void specviz_topk_f32(const float *x, int64_t rows, int64_t n, int64_t stride, i
         }
     }
 }
+
+/* A drafter's product in 8-bit integers (path "vnni-int8", kernels.py; lossy: the EAGLE head's products only,
+   never the target's): half the bytes of bfloat16 weights to stream, on CPUs with AVX512-VNNI. The weight is
+   kept as int8 per output column c (w ~ s_c q, s_c = max |w_c| / 127), packed as [ceil(n / 64)][k / 4][64][4]
+   (per group of 64 columns and quad of k, each column's four weights side by side, as VPDPBUSD reads them),
+   after a header of each column's s_c (float32) and its sum of q (int32), n padded to 64 (native.pack_quads).
+   Each bfloat16 input row is quantized alone (x ~ t_r u, t_r = max |x_r| / 127, u rounded to nearest even) and
+   stored as u + 128 (VPDPBUSD multiplies unsigned bytes by signed ones), so a row's result never depends on the
+   rows beside it: y = t_r s_c (sum (u + 128) q - 128 sum q) (+ bias), rounded to bfloat16. The integer sums are
+   exact (|sum| < 2^31 for k < 65,000); a pass takes a group and up to 6 rows, as the pair kernel's does. */
+#define TARGET_VNNI target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+/* 16 float32 lanes rounded to bfloat16 as to_bf16 rounds each (no AVX512-BF16 needed). */
+static inline __attribute__((always_inline, TARGET_VNNI)) __m256i round16_bf16(__m512 f)
+{
+    const __m512i u = _mm512_castps_si512(f), high = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(high, _mm512_set1_epi32(1))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+#define QUAD(r, c, acc) acc = _mm512_dpbusd_epi32(acc, x##r, w##c);
+#define QUADS_OF_ROW(r, a, b, c, d)                                                    \
+    if (rows > r) {                                                                    \
+        __m512i x##r = _mm512_set1_epi32(xq[(size_t)r * quads + q]);                   \
+        QUAD(r, 0, a) QUAD(r, 1, b) QUAD(r, 2, c) QUAD(r, 3, d)                        \
+    }
+#define STORE_INT8(r, a, b, c, d)                                                      \
+    if (rows > r) {                                                                    \
+        uint16_t *yr = y + (size_t)r * n;                                              \
+        store16_int8(a, scale[r], head, bias, yr, n, n0, npad);                        \
+        if (n0 + 16 < n) store16_int8(b, scale[r], head, bias, yr, n, n0 + 16, npad);  \
+        if (n0 + 32 < n) store16_int8(c, scale[r], head, bias, yr, n, n0 + 32, npad);  \
+        if (n0 + 48 < n) store16_int8(d, scale[r], head, bias, yr, n, n0 + 48, npad);  \
+    }
+
+/* 16 integer sums of a row as outputs: t_r s_c (sum - 128 sum q) (+ bias), rounded to bfloat16, into y[n0..]. */
+static inline __attribute__((always_inline, TARGET_VNNI)) void store16_int8(__m512i acc, float row_scale,
+                                                                           const float *head, const float *bias,
+                                                                           uint16_t *y, int n, int n0, int npad)
+{
+    __mmask16 keep = (__mmask16)((1u << (n - n0 < 16 ? n - n0 : 16)) - 1);
+    const __m512i sums = _mm512_loadu_si512((const void *)((const int32_t *)(head + npad) + n0));
+    const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(sums, 7)));
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(exact, _mm512_set1_ps(row_scale)), _mm512_loadu_ps(head + n0));
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0));
+    _mm256_mask_storeu_epi16(y + n0, keep, round16_bf16(v));
+}
+
+/* `rows` (1-6) quantized rows times the group of 64 columns from n0 on, packed at wg. */
+static inline __attribute__((always_inline, TARGET_VNNI)) void
+int8_rows_by_group(const int32_t *xq, const float *scale, const int8_t *wg, const float *head, const float *bias,
+                   uint16_t *y, int rows, int quads, int n, int n0, int npad)
+{
+    __m512i z = _mm512_setzero_si512(), a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z, c0 = z,
+            c1 = z, c2 = z, c3 = z, d0 = z, d1 = z, d2 = z, d3 = z, e0 = z, e1 = z, e2 = z, e3 = z, f0 = z, f1 = z,
+            f2 = z, f3 = z;
+    for (int q = 0; q < quads; q++) {
+        const int8_t *at = wg + 4 * GROUP * (size_t)q;
+        if (q + 8 < quads)
+            _mm_prefetch((const char *)(at + 8 * 4 * GROUP), _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512((const void *)at), w1 = _mm512_loadu_si512((const void *)(at + 64)),
+                      w2 = _mm512_loadu_si512((const void *)(at + 128)),
+                      w3 = _mm512_loadu_si512((const void *)(at + 192));
+        QUADS_OF_ROW(0, a0, a1, a2, a3) QUADS_OF_ROW(1, b0, b1, b2, b3) QUADS_OF_ROW(2, c0, c1, c2, c3)
+        QUADS_OF_ROW(3, d0, d1, d2, d3) QUADS_OF_ROW(4, e0, e1, e2, e3) QUADS_OF_ROW(5, f0, f1, f2, f3)
+    }
+    STORE_INT8(0, a0, a1, a2, a3) STORE_INT8(1, b0, b1, b2, b3) STORE_INT8(2, c0, c1, c2, c3)
+    STORE_INT8(3, d0, d1, d2, d3) STORE_INT8(4, e0, e1, e2, e3) STORE_INT8(5, f0, f1, f2, f3)
+}
+
+#define INT8_PASS_FN(r)                                                                                        \
+    static __attribute__((noinline, TARGET_VNNI)) void int8_pass_##r(                                          \
+        const int32_t *xq, const float *scale, const int8_t *wg, const float *head, const float *bias,          \
+        uint16_t *y, int quads, int n, int n0, int npad)                                                       \
+    {                                                                                                          \
+        int8_rows_by_group(xq, scale, wg, head, bias, y, r, quads, n, n0, npad);                               \
+    }
+INT8_PASS_FN(1) INT8_PASS_FN(2) INT8_PASS_FN(3) INT8_PASS_FN(4) INT8_PASS_FN(5) INT8_PASS_FN(6)
+
+/* x [m, k] bfloat16 -> y [m, n] bfloat16 through the packed int8 weight w (header included); k is the weight's. */
+__attribute__((TARGET_VNNI)) void specviz_gemm_int8(const void *x_, const void *w, const float *bias, void *y_, int m,
+                                                   int n, int k)
+{
+    const uint16_t *x = x_;
+    uint16_t *y = y_;
+    const int groups = (n + GROUP - 1) / GROUP, quads = (k + 3) / 4, npad = groups * GROUP;
+    const float *head = w; /* s_c, then the sums of q */
+    const int8_t *weights = (const int8_t *)(head + 2 * (size_t)npad);
+    int32_t *xq = malloc(sizeof(int32_t) * (size_t)m * quads);
+    float *scale = malloc(sizeof(float) * (size_t)m);
+    if (!xq || !scale)
+        abort(); /* a few kB: only where the process has no memory left at all */
+    for (int r = 0; r < m; r++) { /* each row alone: its largest magnitude, then its bytes */
+        const uint16_t *xr = x + (size_t)r * k;
+        uint8_t *out = (uint8_t *)(xq + (size_t)r * quads);
+        float top = 0.0f;
+        for (int i = 0; i < k; i++) {
+            float v = fabsf(from_bf16(xr[i]));
+            top = v > top ? v : top;
+        }
+        const float up = top > 0.0f ? 127.0f / top : 0.0f;
+        scale[r] = top / 127.0f;
+        for (int i = 0; i < 4 * quads; i++) {
+            float v = i < k ? nearbyintf(from_bf16(xr[i]) * up) : 0.0f; /* to nearest even */
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;          /* NaN: below, 0 + 128 */
+            out[i] = (uint8_t)(128 + (int)(v == v ? v : 0.0f));
+        }
+    }
+    void (*pass[])(const int32_t *, const float *, const int8_t *, const float *, const float *, uint16_t *, int, int,
+                   int, int) = {int8_pass_1, int8_pass_2, int8_pass_3, int8_pass_4, int8_pass_5, int8_pass_6};
+#pragma omp parallel for schedule(static)
+    for (int g = 0; g < groups; g++) {
+        const int8_t *wg = weights + (size_t)g * quads * 4 * GROUP;
+        int passes = (m + 5) / 6;
+        for (int p = 0, m0 = 0; p < passes; p++) {
+            int rows = m / passes + (p < m % passes);
+            pass[rows - 1](xq + (size_t)m0 * quads, scale + m0, wg, head, bias, y + (size_t)m0 * n, quads, n, g * GROUP,
+                           npad);
+            m0 += rows;
+        }
+    }
+    free(xq);
+    free(scale);
+}

@@ -147,6 +147,18 @@ def _amx(packed, weight, bias, rows):
     return native.bind_pairs(packed, weight, bias, amx=True)
 
 
+def _quads_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    native.wide()
+    # the instruction would kill the process, not raise; capped to AVX512_CORE this CPU stands for one without it
+    if "avx512_vnni" not in _cpu()[1] or os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX512_CORE":
+        raise RuntimeError(f"needs AVX512-VNNI (this process runs {cpu_class()} kernels)")
+    return native.pack_quads(weight)
+
+
+def _quads(packed, weight, bias, rows):
+    return native.bind_quads(packed, weight, bias)
+
+
 def _int8_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """Symmetric int8 per output row, packed for the quantized engine (fbgemm on x86; raises where the
     engine cannot run, or once PyTorch drops quantized tensors, which it has announced: then the path
@@ -207,6 +219,10 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
                _native(True), "the AVX-512 kernel on weights rounded to bfloat16 (drafters only)", lossy=True,
                numbers="bfloat16 weights", bits="specviz, bfloat16 weights",
                layers={torch.float32: "specviz_gemm512_bf16"}),
+    KernelPath("vnni-int8", (torch.bfloat16,), False, _quads_pack, _quads,
+               "specviz's int8 kernel for bfloat16 drafters with AVX512-VNNI: weights int8 per output column, each "
+               "row quantized to 8 bits alone, four products per lane and instruction (drafters only)", lossy=True,
+               numbers="int8", bits="vnni-int8", layers={torch.bfloat16: "specviz_gemm_int8"}),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True,
                numbers="int8", bits="int8"),

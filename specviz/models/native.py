@@ -12,7 +12,9 @@ bfloat16 RMSNorm (`rms_bf16`: one call where ATen runs eight small operations), 
 row get a one-token step's bits), RoPE with the cache writes (`rope_store_bf16`), SiLU times up
 (`silu_mul_bf16`), and all of these chained over a forward's layers in one call (`layers`; float32 models too,
 with float32 versions of them; a bfloat16 model's products on the FMA kernels widen its rows to float32 there, as
-`kernels._native` does op by op); and a greedy round's argmax over the vocabulary (`argmax`).
+`kernels._native` does op by op); a greedy round's argmax over the vocabulary (`argmax`); and, for bfloat16
+drafters on CPUs with AVX512-VNNI, a product in 8-bit integers (the path "vnni-int8", `pack_quads`: half the
+bytes of bfloat16 weights, lossy, so the EAGLE head's products only).
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
@@ -140,6 +142,8 @@ def library() -> ctypes.CDLL:
     lib.specviz_layers.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
     lib.specviz_layers.restype = None
     lib.specviz_gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
+    lib.specviz_gemm_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
+    lib.specviz_gemm_int8.restype = None
     lib.specviz_gemm_amx.restype = None
     lib.specviz_amx_ready.argtypes, lib.specviz_amx_ready.restype = [], ctypes.c_int
     lib.specviz_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x rows n out
@@ -418,6 +422,47 @@ def bind_pairs(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         flat = (torch.nn.functional.pad(flat, (0, 1)) if k % 2 else flat).contiguous()
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
         entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, pairs)
+        return y
+
+    product.holds = packed, b
+    return product
+
+
+def pack_quads(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] as the int8 kernel reads it (gemm_avx2.c, specviz_gemm_int8), one byte tensor: each column's
+    scale s = max |w| / 127 (float32) and sum of its int8 values q (int32), N padded to 64, then q = w / s rounded
+    to nearest even, [ceil(N / 64), ceil(K / 4), 64, 4] (zero-padded)."""
+    library()
+    w = weight.detach().float()
+    n, k = w.shape
+    scale = w.abs().amax(1) / 127  # [N]
+    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(1e-38)[:, None], 0).round().clamp(-127, 127)
+    groups, quads = -(-n // PAIR_GROUP), -(-k // 4)
+    padded = torch.zeros(groups * PAIR_GROUP, quads * 4, dtype=torch.int8)
+    padded[:n, :k] = q.to(torch.int8)
+    scales = torch.zeros(groups * PAIR_GROUP)
+    scales[:n] = scale
+    blocks = padded.view(groups, PAIR_GROUP, quads, 4).transpose(1, 2).contiguous()
+    return torch.cat([scales.view(torch.uint8), padded.int().sum(1, dtype=torch.int32).view(torch.uint8),
+                      blocks.view(-1).view(torch.uint8)])
+
+
+def bind_quads(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product x [..., K] @ weight.T + bias -> [..., N] of bfloat16 x through pack_quads' int8 weight, each
+    row quantized to 8 bits alone (the caller has checked that this CPU has AVX512-VNNI)."""
+    n, k = weight.shape
+    entry = library().specviz_gemm_int8
+    b = None if bias is None else bias.float().contiguous()
+    at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, k)
+        if flat.dtype != torch.bfloat16:
+            raise TypeError(f"the int8 kernel takes bfloat16 rows, got {flat.dtype}")
+        flat = flat.contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, k)
         return y
 
     product.holds = packed, b
