@@ -142,9 +142,9 @@ def library() -> ctypes.CDLL:
     lib.specviz_layers.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
     lib.specviz_layers.restype = None
     lib.specviz_gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
+    lib.specviz_gemm_amx.restype = None
     lib.specviz_gemm_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
     lib.specviz_gemm_int8.restype = None
-    lib.specviz_gemm_amx.restype = None
     lib.specviz_amx_ready.argtypes, lib.specviz_amx_ready.restype = [], ctypes.c_int
     lib.specviz_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x rows n out
     lib.specviz_argmax_f32.restype = None
