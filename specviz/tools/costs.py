@@ -23,7 +23,8 @@ a + b k for k tokens, fitted through every width's two timings (`Costs.per_token
 the prompt plus half its budget (`context_of`): a long prompt can make a narrower verify the better choice. The
 head's own attention over the context (one layer's against the target's thirty) is left unpriced.
 
-τ belongs to the pair and the text, not the machine: it is measured on held-out prompts and kept
+τ belongs to the pair and the text, not the machine (but for the drafter's lossy kernels, chosen per
+machine, which moved it by up to 2 % on CPU C: README, "Kernels"): it is measured on held-out prompts and kept
 in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
 target's forward of k tokens for k = 1..MAX_WIDTH (so c(k) = verify(k) / step), and a short
 decode per drafter for its draft time per token and its round overhead. The measurement takes a
