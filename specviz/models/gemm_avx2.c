@@ -760,8 +760,9 @@ static void attend_f32(const float *q, const float *k, const float *v, const uin
    each of x * cos and rotate_half(x) * sin rounded to bfloat16, then their sum. qkv: [B, t, H + 2 KV, D]
    (the fused projection's output), cos and sin: [B, t, D]; q_out: [B, t, H, D]; k_cache and v_cache:
    [B, KV, capacity, D]; slots: int64, row b's t slot numbers from slots + b * dims[6] (0: the same for every
-   row); dims[7]: share the rows among threads (as specviz_rms_bf16's `share`). f32 (rope_store_f32, for specviz_layers): float32 tensors, x * cos + turned * sin in
-   float32 (the compiler may fuse one product into the sum: within rounding of ATen's, not its bits). */
+   row); dims[7]: share the rows among threads (as specviz_rms_bf16's `share`). f32 (rope_store_f32, for
+   specviz_layers): float32 tensors, x * cos + turned * sin in float32 (the compiler may fuse one product into the
+   sum: within rounding of ATen's, not its bits). */
 INLINE void rope_store(const void *qkv, const void *cos, const void *sin, const int64_t *slots, void *q_out,
                        void *k_cache, void *v_cache, const int64_t *dims, int f32)
 {
@@ -978,11 +979,12 @@ void specviz_gemm512_widened(const void *x, const void *w, const float *b, void 
    operations a layer, a few microseconds each, thirty layers a forward. The EAGLE head's one layer takes it too.
    x: [rows, C] (rows = B t), updated in place. dims: layers, B, t, C, H, KV, D, I (the MLP's width), capacity,
    kv_len, the mask's strides (batch, query, slot), the slots' row stride (rope_store's dims[6]), 1 for float32
-   (else bfloat16), and whether the row-by-row steps share their rows among threads (specviz_rms_bf16's `share`). weights: per layer norm1, norm2, then for qkv, o, gate_up and down each the product's function,
-   its packed weight and its bias (float32 or NULL). caches: per layer keys, values ([B, KV, capacity, D]). cos,
-   sin: [B, t, D]; mask: 1 = the query sees the slot; silu: the bfloat16 table (bfloat16 only); scale: the
-   attention's, as the layer-by-layer path passes it; scratch: rows (2 C + (H + 2 KV) D + 2 H D + 3 I) numbers of
-   the model's dtype for the intermediate results. */
+   (else bfloat16), and whether the row-by-row steps share their rows among threads (specviz_rms_bf16's `share`).
+   weights: per layer norm1, norm2, then for qkv, o, gate_up and down each the product's function, its packed weight
+   and its bias (float32 or NULL). caches: per layer keys, values ([B, KV, capacity, D]). cos, sin: [B, t, D]; mask:
+   1 = the query sees the slot; silu: the bfloat16 table (bfloat16 only); scale: the attention's, as the
+   layer-by-layer path passes it; scratch: rows (2 C + (H + 2 KV) D + 2 H D + 3 I) numbers of the model's dtype for
+   the intermediate results. */
 void specviz_layers(void *x, const int64_t *dims, void *const *weights, void *const *caches, const void *cos,
                     const void *sin, const int64_t *slots, const uint8_t *mask, const uint16_t *silu, void *scratch,
                     float eps, float scale)
@@ -1116,7 +1118,8 @@ static inline __attribute__((always_inline, TARGET_VNNI)) __m256i round16_bf16(_
     const __m512i u = _mm512_castps_si512(f), high = _mm512_srli_epi32(u, 16);
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
                                                    _mm512_and_si512(high, _mm512_set1_epi32(1))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q); /* a NaN stays a NaN, quiet */
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
 }
 
