@@ -641,8 +641,8 @@ def test_the_pair_kernels_multiply_bfloat16_and_each_row_alone(fresh_tables, pat
 def test_the_int8_kernel_is_its_quantization_and_each_row_alone(fresh_tables):
     """specviz's int8 kernel for bfloat16 drafters (AVX512-VNNI) computes what its quantization defines: weights
     int8 per output column, each input row quantized alone to 8 bits (to nearest even), the integer sums exact, then
-    scaled (+ bias) and rounded to bfloat16: against those integers summed in float64 at most one bfloat16 step apart
-    (the compiler may fuse the last product into the bias' sum), and within int8's error of the float64 product;
+    scaled (+ bias, fused with the last product) and rounded to bfloat16: against those integers summed in float64,
+    bitwise without a bias and at most one bfloat16 step apart with one, and within int8's error of the float64 product;
     every row count up to 14 (passes of 1-6 rows), a k that is not a multiple of 4, a width that is not a multiple of
     64, rows of zeros and of very different sizes; a row's numbers the same alone and among others."""
     from specviz.models import native
@@ -662,13 +662,16 @@ def test_the_int8_kernel_is_its_quantization_and_each_row_alone(fresh_tables):
     scale = wf.abs().amax(1) / 127
     q = (wf / scale[:, None]).round().clamp(-127, 127)
     top = xf.abs().amax(1)
-    u = (xf * torch.where(top > 0, 127 / top, 0)[:, None]).round().clamp(-127, 127)
+    up = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0)  # (`127 / top` is 127 times a reciprocal)
+    u = (xf * up[:, None]).round().clamp(-127, 127)
     want = ((u.double() @ q.double().T).float() * (top / 127)[:, None] * scale + b).bfloat16()
     steps = (alone.view(torch.int16).int() - want.view(torch.int16).int()).abs()
     assert steps.max() <= 1 and (steps == 0).float().mean() > 0.99
     assert torch.equal(alone[5], b.bfloat16())  # a row of zeros: the bias alone
-    exact, plain = x.double() @ w.double().T, native.bind_quads(packed, w, None)(x).double()  # rows of any size:
-    assert ((plain - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-30)).max() < 0.03  # within a few %
+    exact, plain = x.double() @ w.double().T, native.bind_quads(packed, w, None)(x)
+    assert torch.equal(plain, ((u.double() @ q.double().T).float() * (top / 127)[:, None] * scale).bfloat16())
+    plain = plain.double()  # rows of any size: within a few %
+    assert ((plain - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-30)).max() < 0.03
     for rows in range(2, 15):
         together = product(x[:rows].view(1, rows, k))
         assert together.shape == (1, rows, n) and torch.equal(together[0], alone[:rows]), rows

@@ -1108,7 +1108,8 @@ void specviz_topk_f32(const float *x, int64_t rows, int64_t n, int64_t stride, i
    after a header of each column's s_c (float32) and its sum of q (int32), n padded to 64 (native.pack_quads).
    Each bfloat16 input row is quantized alone (x ~ t_r u, t_r = max |x_r| / 127, u rounded to nearest even) and
    stored as u + 128 (VPDPBUSD multiplies unsigned bytes by signed ones), so a row's result never depends on the
-   rows beside it: y = t_r s_c (sum (u + 128) q - 128 sum q) (+ bias), rounded to bfloat16. The integer sums are
+   rows beside it: y = t_r s_c (sum (u + 128) q - 128 sum q) (+ bias, in one fused multiply-add with the last
+   product), rounded to bfloat16. The integer sums are
    exact (|sum| < 2^31 for k < 65,000); a pass takes a group and up to 6 rows, as the pair kernel's does. */
 #define TARGET_VNNI target("avx512f,avx512bw,avx512vl,avx512vnni")
 
@@ -1146,9 +1147,9 @@ static inline __attribute__((always_inline, TARGET_VNNI)) void store16_int8(__m5
     __mmask16 keep = (__mmask16)((1u << (n - n0 < 16 ? n - n0 : 16)) - 1);
     const __m512i sums = _mm512_loadu_si512((const void *)((const int32_t *)(head + npad) + n0));
     const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_slli_epi32(sums, 7)));
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(exact, _mm512_set1_ps(row_scale)), _mm512_loadu_ps(head + n0));
-    if (bias)
-        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0));
+    /* the last product and the bias' sum as one fused operation, written so: the compiler may not split it */
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(exact, _mm512_set1_ps(row_scale)), _mm512_loadu_ps(head + n0), b);
     _mm256_mask_storeu_epi16(y + n0, keep, round16_bf16(v));
 }
 
@@ -1183,6 +1184,35 @@ int8_rows_by_group(const int32_t *xq, const float *scale, const int8_t *wg, cons
     }
 INT8_PASS_FN(1) INT8_PASS_FN(2) INT8_PASS_FN(3) INT8_PASS_FN(4) INT8_PASS_FN(5) INT8_PASS_FN(6)
 
+/* The first min(count, 16) bfloat16 numbers at p as float32, zeros after. */
+static inline __attribute__((always_inline, TARGET_VNNI)) __m512 load16_bf16(const uint16_t *p, int count)
+{
+    const __mmask16 keep = count >= 16 ? (__mmask16)0xffff : count > 0 ? (__mmask16)((1u << count) - 1) : 0;
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, p)), 16));
+}
+
+/* A bfloat16 row x[k] as VPDPBUSD's bytes, out[padded] (padded >= k): u + 128, u = x / t rounded to nearest even and
+   kept within [-127, 127] (a NaN: 0; zeros past k); returns t = max |x| / 127 (NaNs passed over). 16 at a time. */
+static inline __attribute__((always_inline, TARGET_VNNI)) float quantize_row(const uint16_t *x, int k, int padded,
+                                                                            uint8_t *out)
+{
+    __m512 top = _mm512_setzero_ps();
+    for (int i = 0; i < k; i += 16) /* max(v, top) is top where v is a NaN */
+        top = _mm512_max_ps(_mm512_abs_ps(load16_bf16(x + i, k - i)), top);
+    const float t = _mm512_reduce_max_ps(top);
+    const __m512 up = _mm512_set1_ps(t > 0.0f ? 127.0f / t : 0.0f), zero = _mm512_setzero_ps();
+    for (int i = 0; i < padded; i += 16) {
+        __m512 v = _mm512_mul_ps(load16_bf16(x + i, k - i), up);
+        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), zero);
+        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+        const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128)));
+        const int left = padded - i;
+        _mm_mask_storeu_epi8(out + i, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), bytes);
+    }
+    return t / 127.0f;
+}
+
 /* x [m, k] bfloat16 -> y [m, n] bfloat16 through the packed int8 weight w (header included); k is the weight's. */
 __attribute__((TARGET_VNNI)) void specviz_gemm_int8(const void *x_, const void *w, const float *bias, void *y_, int m,
                                                    int n, int k)
@@ -1196,22 +1226,8 @@ __attribute__((TARGET_VNNI)) void specviz_gemm_int8(const void *x_, const void *
     float *scale = malloc(sizeof(float) * (size_t)m);
     if (!xq || !scale)
         abort(); /* a few kB: only where the process has no memory left at all */
-    for (int r = 0; r < m; r++) { /* each row alone: its largest magnitude, then its bytes */
-        const uint16_t *xr = x + (size_t)r * k;
-        uint8_t *out = (uint8_t *)(xq + (size_t)r * quads);
-        float top = 0.0f;
-        for (int i = 0; i < k; i++) {
-            float v = fabsf(from_bf16(xr[i]));
-            top = v > top ? v : top;
-        }
-        const float up = top > 0.0f ? 127.0f / top : 0.0f;
-        scale[r] = top / 127.0f;
-        for (int i = 0; i < 4 * quads; i++) {
-            float v = i < k ? nearbyintf(from_bf16(xr[i]) * up) : 0.0f; /* to nearest even */
-            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;          /* NaN: below, 0 + 128 */
-            out[i] = (uint8_t)(128 + (int)(v == v ? v : 0.0f));
-        }
-    }
+    for (int r = 0; r < m; r++) /* each row alone */
+        scale[r] = quantize_row(x + (size_t)r * k, k, 4 * quads, (uint8_t *)(xq + (size_t)r * quads));
     void (*pass[])(const int32_t *, const float *, const int8_t *, const float *, const float *, uint16_t *, int, int,
                    int, int) = {int8_pass_1, int8_pass_2, int8_pass_3, int8_pass_4, int8_pass_5, int8_pass_6};
 #pragma omp parallel for schedule(static)
