@@ -286,6 +286,23 @@ def test_packing_unavailable_skips_the_path_and_decodes_the_same(pattern_pair, f
     assert after == before
 
 
+def test_row_counts_of_one_timed_class_ask_for_one_choice(monkeypatch):
+    """A prompt's length is a new row count for every product; rows the table answers alike (the same timed row
+    count standing for them, on the same side of the largest) take the choice made for their class without asking
+    the table again (which cost ~10 ms at each new prompt length on CPU C, paid by whichever run came first)."""
+    asked = []
+    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: asked.append(
+        (rows, in_call)) or "linear")
+    lin = Linear(torch.randn(8, 4), None)
+    for rows in (6, 7, 8, 1, 20, 33, 6):
+        assert lin.path(rows) == ("linear", None)
+    lin.path(7, in_call=True)
+    assert asked == [(6, False), (1, False), (20, False), (7, True)]
+    assert set(lin.paths) == {6, 7, 8, 1, 20, 33} and set(lin.call_paths) == {7}
+    assert kernels.row_class(6) == kernels.row_class(8) != kernels.row_class(5)
+    assert kernels.row_class(17) == kernels.row_class(300) != kernels.row_class(16)
+
+
 def test_each_row_count_takes_its_chosen_path_and_matches_a_fresh_forward(pattern_pair, fresh_tables):
     """A table that picks MKL at 4 rows and oneDNN at 1: a 4-token verify pass packs for MKL at 4
     rows, a step uses oneDNN, and the logits equal transformers' forward."""
@@ -1039,6 +1056,7 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
             monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False, name=name: name)
             for lin in lean.linears():
                 lin.paths.clear()
+                lin.chosen.clear()
                 lin.products.clear()
             lean.native_plans.clear()
             results[name] = fused = run(True, prompts, 3)

@@ -572,6 +572,13 @@ def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool =
     return table(weight.dtype).best(key, rows, lossy=lossy, in_call=weight.dtype if in_call else None)
 
 
+def row_class(rows: int) -> tuple[int, bool]:
+    """Row counts that `KernelTable.best` answers alike for a shape timed at ROWS (as `tune` times every shape):
+    the timed row count standing for them, and whether they are within the timed ones (a path that packs per row
+    count may serve them)."""
+    return timed_rows(rows), rows <= ROWS[-1]
+
+
 def timed_rows(rows: int, timed: tuple[int, ...] | list[int] = ROWS) -> int:
     """Of the timed row counts (ascending), the one whose timings stand for `rows` rows: the nearest at or above
     it, else the largest."""

@@ -107,6 +107,7 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.paths: dict[int, str] = {}  # rows -> path name, filled on first use of a row count
         self.call_paths: dict[int, str] = {}  # rows -> the fastest path native.layers runs, where a plan asks
+        self.chosen: dict[tuple, str] = {}  # (in_call, kernels.row_class) -> the path chosen for that class
         self.packs: dict[tuple[str, int], torch.Tensor] = {}  # (path, rows or 0) -> packed weight
         self.products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # rows -> the bound product
 
@@ -119,8 +120,14 @@ class Linear(nn.Module):
         if name is None:
             if torch.compiler.is_compiling():  # a row count not planned before tracing: plain
                 return "linear", None
-            name = paths[rows] = kernels.choose(self.weight, rows, self.lossy, in_call) \
-                if self.weight.device.type == "cpu" else "linear"
+            # rows of one class share their timings (a prompt's length is a new row count, each of its rows
+            # no new choice)
+            key = (in_call, kernels.row_class(rows))
+            name = self.chosen.get(key)
+            if name is None:
+                name = self.chosen[key] = kernels.choose(self.weight, rows, self.lossy, in_call) \
+                    if self.weight.device.type == "cpu" else "linear"
+            paths[rows] = name
         kind = kernels.PATHS[name]
         key = (name, rows if kind.per_rows else 0)
         packed = self.packs.get(key)
