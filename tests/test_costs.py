@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 from conftest import scripted_meters, while_another_process_makes
 
+from specviz.core.generator import Settings
 from specviz.models import contention
 from specviz.tools import costs
 from specviz.tools.costs import Choice, Costs, describe, expected_speedup, note, rank
@@ -269,10 +270,13 @@ def test_a_trees_drafting_is_its_median_round_so_one_slow_round_does_not_reorder
     run = NS(events=rounds, meta=NS(prefill_ms=0.0))
     rounds[-1].elapsed_ms = sum(e.draft_ms + e.verify_ms for e in rounds) + 4.0  # 1 ms of bookkeeping a round
     run.rounds_ms = rounds[-1].elapsed_ms  # no prefill (Run.rounds_ms)
-    monkeypatch.setattr(costs, "generate", lambda *args, **kwargs: run)
+    asked = []
+    monkeypatch.setattr(costs, "generate", lambda pair, prompt, settings, mode: asked.append(settings) or run)
     draft, bookkeeping = costs._round_costs(None, "eagle", False, (3, 3, 5))
     assert (draft, bookkeeping) == (pytest.approx(2.5), pytest.approx(1.0))
     assert costs._round_costs(None, "eagle", False, (2, 1, 0))[0] == pytest.approx(47.0 / 8)
+    # timed as the app and `generate` run: recording the inspector's candidates, whose cost is the round's too
+    assert {s.record_top for s in asked} == {Settings().record_top} and Settings().record_top > 0
 
 
 def test_the_cpus_other_processes_take_are_read_from_proc_stat():

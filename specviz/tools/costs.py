@@ -69,8 +69,13 @@ CALIBRATION_TOKENS = 24
 REPEATS = 10  # each width's forwards timed, interleaved
 LONG_CONTEXT = 1024  # tokens in the cache under the second timing of the forwards (fewer where the model holds fewer)
 LONG_REPEATS = 5
+# candidates each drafted and extra token keeps for the inspector in the calibration decodes: as many as the runs a
+# first run's choice serves record (the app's and `generate`'s, Settings' default), whose rounds pay for them (on
+# CPU C, bfloat16, 2 threads: ~0.25 ms a plain step, 0.4-1.1 ms a speculative round)
+RECORD_TOP = Settings.record_top
 # (in the stored costs' key)
-TIMING = "forwards: the fastest of their repeats, over two contexts; a tree's drafting: its median round"
+TIMING = ("forwards: the fastest of their repeats, over two contexts; a tree's drafting: its median round; "
+          f"rounds recording {RECORD_TOP} candidates a token")
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 
@@ -271,10 +276,11 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
     tree `shape`, (draft ms per round, bookkeeping ms per round), from a decode at temperature 1 where
     `sampled`; drafter "" is plain decoding (draft 0). A tree's drafting is its median round: a
     calibration decode has a dozen rounds, and one slow round (the VM's noise) moved a mean enough to
-    reorder shapes whose rounds differ by a head step."""
+    reorder shapes whose rounds differ by a head step. The decodes record RECORD_TOP candidates a token, as the
+    runs the choice serves do."""
     tree = shape[1] > 1
     settings = Settings(gamma=shape[0], branch=shape[1], nodes=shape[2], drafter=drafter or "model",
-                        max_new_tokens=CALIBRATION_TOKENS, record_top=0, compile=compiled,
+                        max_new_tokens=CALIBRATION_TOKENS, record_top=RECORD_TOP, compile=compiled,
                         temperature=1.0 if sampled else 0.0)
     mode = "speculative" if drafter else "baseline"
     generate(pair, CALIBRATION_PROMPT, replace(settings, max_new_tokens=4), mode=mode)  # first calls
