@@ -48,6 +48,30 @@ def test_a_tree_wins_where_wide_verifies_are_cheap_and_loses_where_they_are_dear
     assert costs.width((4, 4, 8)) == 9 and costs.width((3, 2, 0)) == 2 + 2 * 4 + 1
 
 
+def test_trees_are_priced_on_one_plane_through_their_rounds_so_one_slow_calibration_does_not_reorder_them():
+    """The offline preset's ten trees, whose rounds cost 1 + 1 ms a level + 0.1 ms a draft verified, but for 3x4:8,
+    whose calibration decode ran 1.5 ms slow: priced on the plane through all ten, most of that is gone and 3x4:8
+    still ranks above 3x3:5 (at its own round it would not); below four trees, or at one depth, each its own round."""
+    shapes = [(3, 2, 4), (2, 4, 6), (3, 4, 8), (4, 4, 8), (5, 4, 12), (5, 4, 16), (3, 3, 5), (4, 2, 5), (4, 3, 5),
+              (4, 3, 6)]
+    c = made_costs({1: 10.0, **{w: 10.0 for w in range(2, 18)}}, {"eagle": 1.0})
+    on_line = {shape: 1 + shape[0] + 0.1 * (costs.width(shape) - 1) for shape in shapes}
+    c.tree_ms = {costs.tree_key("eagle", shape): ms for shape, ms in on_line.items()}
+    c.tree_ms[costs.tree_key("eagle", (3, 4, 8))] += 1.5
+    c.tree_ms[costs.tree_key("eagle", (3, 4, 8), sampled=True)] = 9.0  # sampled trees: their own plane, if any
+    line = costs.tree_line(c, "eagle")
+    assert set(line) == set(shapes) and line[3, 4, 8] - on_line[3, 4, 8] < 0.5
+    assert max(abs(line[s] - on_line[s]) for s in shapes) < 0.6  # spread over the others, none moved as far
+    taus = {"eagle": {(3, 3, 5): 2.3, (3, 4, 8): 2.4}}
+    assert rank(c, taus)[0].shape == (3, 4, 8)
+    assert costs.beside_verify_ms(c, "eagle", (3, 4, 8), sampled=True) == 9.0  # one sampled tree: its own round
+    c.tree_ms = {key: ms for key, ms in c.tree_ms.items() if any(t in key for t in (" 3x4:8", " 3x3:5", " 2x4:6"))}
+    assert costs.tree_line(c, "eagle") == {} and rank(c, taus)[0].shape == (3, 3, 5)  # three: each its own round
+    one_depth = made_costs({1: 10.0}, {"eagle": 1.0})
+    one_depth.tree_ms = {costs.tree_key("eagle", (3, b, n)): 5.0 for b, n in ((2, 4), (3, 5), (4, 8), (4, 6))}
+    assert costs.tree_line(one_depth, "eagle") == {}
+
+
 def test_a_long_context_prices_wide_verifies_dearer_and_can_choose_a_narrower_shape(monkeypatch):
     """Each token of a forward attends over every cached key: timed over 32 and 1,032 tokens of cache, a forward
     over n tokens is priced as the short one plus n times what a key adds, and a long prompt's run can be better off

@@ -9,7 +9,8 @@ one-token forward and its bookkeeping per token. So the expected speedup over pl
 
 A tree (γ levels deep, `branch` children per node, `nodes` verified) is priced the same way with its
 own measured round: S = τ · (step + base_overhead) / (verify(nodes + 1) + its drafting and bookkeeping
-per round), so the shape chosen is the one this machine's c(k) pays for (issue M). A sampled tree
+per round, on the plane through every measured tree's rounds by depth and drafts verified: `tree_line`), so the
+shape chosen is the one this machine's c(k) pays for (issue M). A sampled tree
 drafts other levels than a greedy one of the same shape (drafters.EagleDrafter.propose), so its round
 is timed sampling, apart from the greedy one.
 
@@ -56,7 +57,7 @@ from statistics import median
 import torch
 
 from ..core.events import Run
-from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate, tree_label
+from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate, parse_trees, tree_label
 from ..core.kvcache import KVState
 from ..core.theory import target_step_ms
 from ..models import contention, kernels
@@ -69,6 +70,7 @@ CALIBRATION_TOKENS = 24
 REPEATS = 10  # each width's forwards timed, interleaved
 LONG_CONTEXT = 1024  # tokens in the cache under the second timing of the forwards (fewer where the model holds fewer)
 LONG_REPEATS = 5
+TREE_LINE = 4  # measured trees of a drafter from which their rounds are priced on one plane (tree_line)
 # candidates each drafted and extra token keeps for the inspector in the calibration decodes: as many as the runs a
 # first run's choice serves record (the app's and `generate`'s, Settings' default), whose rounds pay for them (on
 # CPU C, bfloat16, 2 threads: ~0.25 ms a plain step, 0.4-1.1 ms a speculative round)
@@ -180,10 +182,42 @@ def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round:
 
 def beside_verify_ms(costs: Costs, drafter: str, shape: Shape, sampled: bool = False) -> float:
     """A round's drafting and bookkeeping as priced: a chain's γ drafts and its drafter's bookkeeping, a tree's
-    measured round (greedy or sampled)."""
+    round (greedy or sampled) as `tree_line` prices it."""
     if shape[1] == 1:
         return shape[0] * costs.draft_ms.get(drafter, 0.0) + costs.overhead_ms.get(drafter, 0.0)
-    return costs.tree_ms[tree_key(drafter, shape, sampled)]
+    return tree_line(costs, drafter, sampled).get(shape) or costs.tree_ms[tree_key(drafter, shape, sampled)]
+
+
+def tree_line(costs: Costs, drafter: str, sampled: bool = False) -> dict[Shape, float]:
+    """Each measured tree of the drafter (greedy or sampled) priced on the least-squares plane a + b·depth +
+    c·drafts verified through all of their measured rounds, where at least TREE_LINE shapes at two depths or more
+    were timed and the plane rises with depth; else {} (each tree at its own median round). A head step per level
+    makes most of a tree's drafting, and each shape's calibration decode has only ~10 rounds timed at its own moment:
+    on CPU C the same shape's median moved by 0.2-0.65 ms (sd about the plane, five calibrations) where shapes of one
+    depth differ by a few hundredths of a ms a draft, enough to reorder them; the plane pools every shape's rounds."""
+    points = []
+    for key, ms in costs.tree_ms.items():
+        name, label, *mode = key.split(" ")
+        if name == drafter and bool(mode) == sampled:
+            shape = parse_trees(label)[0]
+            points.append((shape, (1.0, float(shape[0]), float(width(shape) - 1)), ms))
+    if len(points) < TREE_LINE or len({shape[0] for shape, _, _ in points}) < 2:
+        return {}
+    # normal equations (X'X) β = X'y, solved by Cramer's rule: three unknowns
+    xtx = [[sum(x[i] * x[j] for _, x, _ in points) for j in range(3)] for i in range(3)]
+    xty = [sum(x[i] * y for _, x, y in points) for i in range(3)]
+    det = _det3(xtx)
+    if abs(det) < 1e-9:  # drafts verified a multiple of depth in every shape: no plane to fit
+        return {}
+    beta = [_det3([[xty[r] if c == i else xtx[r][c] for c in range(3)] for r in range(3)]) / det for i in range(3)]
+    if beta[1] <= 0:
+        return {}
+    return {shape: max(sum(b * v for b, v in zip(beta, x, strict=True)), 0.0) for shape, x, _ in points}
+
+
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
 
 def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False,
