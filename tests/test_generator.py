@@ -16,7 +16,7 @@ from specviz.core.events import (
     runs_to_json,
     save_runs,
 )
-from specviz.core.generator import Settings, generate
+from specviz.core.generator import Settings, TokenTexts, generate
 from specviz.core.sampling import SamplingParams, logits_to_probs
 from specviz.view.rendering import stats_html
 
@@ -119,6 +119,20 @@ def test_sampled_generation_matches_baseline_distribution(random_pair, draft_gre
     assert set(counts) <= set(exact)
     tv = 0.5 * sum(abs(counts[k] / n - exact[k]) for k in exact)
     assert tv < 0.03, f"total variation {tv:.4f}"
+
+
+def test_token_texts_are_decoded_once_per_tokenizer_across_runs(random_pair, monkeypatch):
+    """The inspector's candidates (about ten a drafted token) are decoded once per tokenizer, not once per run."""
+    settings = Settings(gamma=2, max_new_tokens=6, record_top=4)
+    generate(random_pair, "", settings, prompt_ids=words(3, 4))
+    decoded = []
+    real = random_pair.tokenizer.decode
+    monkeypatch.setattr(random_pair.tokenizer, "decode", lambda ids, **kw: decoded.append(ids) or real(ids, **kw))
+    again = generate(random_pair, "", settings, prompt_ids=words(3, 4))
+    assert again.events[0].drafted[0].top  # candidates recorded, their texts from the first run's decodes
+    assert [ids for ids in decoded if len(ids) == 1] == []  # (the run's whole text is decoded once, as before)
+    texts = TokenTexts.of(random_pair.tokenizer)
+    assert texts is TokenTexts.of(random_pair.tokenizer) and texts(5) == real([5])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
