@@ -23,6 +23,26 @@ def test_expected_speedup_is_tokens_per_round_over_the_round_in_steps():
     assert c.c(3) == pytest.approx(1.5) and c.c(9) == pytest.approx(1.5)  # beyond the widths timed: the widest
 
 
+def test_a_runs_prefill_is_priced_with_its_rounds_and_a_long_prompt_brings_it_towards_one():
+    """A run's tokens per second count its prefill: the target's over the 34-token calibration prompt took 25 ms. A
+    run of 64 new tokens is priced as (25 + 64 · 11) / (25 + 64 / 1.9 · 19), not 1.9 · 11 / 19; a prompt's prefill
+    is affine in its tokens (a one-token forward at two), so after a long one it takes most of both runs and the
+    expectation falls towards 1."""
+    c = made_costs({1: 10.0, 2: 12.0, 3: 15.0}, {"eagle": 1.0}, {"": 1.0, "eagle": 2.0})
+    rounds_alone = expected_speedup(c, "eagle", (2, 1, 0), 1.9)
+    assert rounds_alone == pytest.approx(1.9 * 11 / 19)
+    assert expected_speedup(c, "eagle", (2, 1, 0), 1.9, new_tokens=64) == rounds_alone  # no prefill timed
+    c.context, c.prefill_ms = 34, 25.0
+    run = expected_speedup(c, "eagle", (2, 1, 0), 1.9, new_tokens=64)
+    assert run == pytest.approx((25 + 64 * 11) / (25 + 64 / 1.9 * 19)) and 1 < run < rounds_alone
+    assert c.prefill(34) == 25.0 and c.prefill(2) == 10.0 and c.prefill(1) == 0.0
+    assert c.prefill(66) == pytest.approx(10 + 15 * 64 / 32)
+    long = expected_speedup(c, "eagle", (2, 1, 0), 1.9, context=4000 + 32, new_tokens=64)
+    assert 1 < long < 1.1  # (the forwards not timed over a long context here: the prefill alone moves it)
+    best = rank(c, {"eagle": {(2, 1, 0): 1.9}}, new_tokens=64)[0]
+    assert best.expected == pytest.approx(run) and "in a run of 64 new tokens, prefills included" in describe(best, c)
+
+
 def test_rank_weighs_acceptance_against_the_machines_verify_cost():
     taus = {"eagle": {(1, 1, 0): 1.5, (2, 1, 0): 1.8, (3, 1, 0): 2.0}, "lookup": {(2, 1, 0): 1.2},
             "unmeasured": {(1, 1, 0): 9.0}}
@@ -291,13 +311,13 @@ def test_a_trees_drafting_is_its_median_round_so_one_slow_round_does_not_reorder
     from types import SimpleNamespace as NS
 
     rounds = [NS(draft_ms=d, verify_ms=10.0, gamma=2, elapsed_ms=0.0) for d in (2.0, 40.0, 3.0, 2.0)]
-    run = NS(events=rounds, meta=NS(prefill_ms=0.0))
+    run = NS(events=rounds, meta=NS(prefill_ms=7.0))
     rounds[-1].elapsed_ms = sum(e.draft_ms + e.verify_ms for e in rounds) + 4.0  # 1 ms of bookkeeping a round
     run.rounds_ms = rounds[-1].elapsed_ms  # no prefill (Run.rounds_ms)
     asked = []
     monkeypatch.setattr(costs, "generate", lambda pair, prompt, settings, mode: asked.append(settings) or run)
-    draft, bookkeeping = costs._round_costs(None, "eagle", False, (3, 3, 5))
-    assert (draft, bookkeeping) == (pytest.approx(2.5), pytest.approx(1.0))
+    draft, bookkeeping, prefill = costs._round_costs(None, "eagle", False, (3, 3, 5))
+    assert (draft, bookkeeping, prefill) == (pytest.approx(2.5), pytest.approx(1.0), 7.0)
     assert costs._round_costs(None, "eagle", False, (2, 1, 0))[0] == pytest.approx(47.0 / 8)
     # timed as the app and `generate` run: recording the inspector's candidates, whose cost is the round's too
     assert {s.record_top for s in asked} == {Settings().record_top} and Settings().record_top > 0
@@ -367,7 +387,7 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
         return {k: 10.0 + len(timings) + k for k in widths}  # which attempt was kept: 11 + k, 12 + k, ...
 
     monkeypatch.setattr(costs, "forward_ms", forwards)
-    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5))
+    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5, 20.0))
 
     # busy, then quiet: the forwards are timed twice and the quiet timing kept
     said = []
@@ -411,7 +431,7 @@ def test_costs_kept_unmetered_are_timed_again_by_a_start_that_meters(pattern_pai
     timings = []
     monkeypatch.setattr(costs, "forward_ms", lambda pair, ids, widths, repeats, compiled: (
         repeats == costs.REPEATS and timings.append(1)) or {k: 10.0 + len(timings) + k for k in widths})
-    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5))
+    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5, 20.0))
     monkeypatch.setenv("SPECVIZ_IGNORE_LOAD", "1")
     _, kept = costs.first_run(pair, taus)
     assert kept.busy is None and len(timings) == 1

@@ -153,7 +153,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         sampled = not settings.sampling.greedy
         context = machine_costs.context_of(max(map(len, prompts_ids)), settings.max_new_tokens)
-        choice, costs = machine_costs.first_run(pair, first_run.taus(sampled), progress, args.retune, sampled, context)
+        choice, costs = machine_costs.first_run(pair, first_run.taus(sampled), progress, args.retune, sampled, context,
+                                                settings.max_new_tokens)
         if choice:
             settings = replace(settings, drafter=choice.drafter, gamma=choice.gamma, branch=choice.branch,
                                nodes=choice.nodes, gamma_max=max(args.gamma_max, choice.gamma))
@@ -418,15 +419,17 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         choice, costs = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True),
                                                 args.retune and not sampled, sampled)
         print(f"{'sampled (temperature > 0)' if sampled else 'greedy'}: expected speedup over plain decoding here, "
-              "S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + overhead), τ measured on held-out prompts "
-              "(the preset), costs on this machine:\n")
+              "S = τ · (step + overhead) / (verify(γ + 1) + γ · draft + overhead) over the rounds, in a run of "
+              f"{machine_costs.RUN_TOKENS} new tokens with its prefill (tools/costs.py), τ measured on held-out "
+              "prompts (the preset), costs on this machine:\n")
         long = costs.long_context  # the same choices priced over the long context the forwards were timed at too
         print("| drafter | γ | tree (children, drafts verified) | τ (tokens per round) | expected speedup |"
               + (f" over {long:,} tokens of context |" if long else "")
               + "\n|---|---|---|---|---|" + ("---|" if long else ""))
         for ch in machine_costs.rank(costs, taus, sampled)[:10]:
             tree = f"{ch.branch}, {machine_costs.width(ch.shape) - 1}" if ch.branch > 1 else "chain"
-            there = machine_costs.expected_speedup(costs, ch.drafter, ch.shape, ch.tokens_per_round, sampled, long)
+            there = machine_costs.expected_speedup(costs, ch.drafter, ch.shape, ch.tokens_per_round, sampled, long,
+                                                   machine_costs.RUN_TOKENS)
             print(f"| {ch.drafter} | {ch.gamma} | {tree} | {taus[ch.drafter][ch.shape]:.2f} | {ch.expected:.2f}x |"
                   + (f" {there:.2f}x |" if long else ""))
         print(f"\n{machine_costs.describe(choice, costs)}\n")

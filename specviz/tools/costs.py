@@ -7,6 +7,13 @@ one-token forward and its bookkeeping per token. So the expected speedup over pl
 
     S(d, γ) = τ_d(γ) · (step + base_overhead) / (verify(γ + 1) + γ · draft_d + overhead_d)
 
+over the rounds alone. A run's tokens per second count its prefill too (the page's speedup, bench's), so a run of
+N new tokens after a prompt is priced as (prefill + N · (step + base_overhead)) / (prefill + N / τ_d(γ) · round),
+the target's prefill measured on the calibration prompt and priced affine in the prompt's tokens (`Costs.prefill`):
+after a long prompt it takes most of both runs, and the expected speedup falls towards 1. A drafter's own start
+(the EAGLE head's pass over the prompt: one layer against the target's thirty) is left unpriced: measured as the
+difference of two prefills of ~25 ms, a few ms of noise, it would be multiplied by a long prompt's length.
+
 A tree (γ levels deep, `branch` children per node, `nodes` verified) is priced the same way with its
 own measured round: S = τ · (step + base_overhead) / (verify(nodes + 1) + its drafting and bookkeeping
 per round, on the plane through every measured tree's rounds by depth and drafts verified: `tree_line`), so the
@@ -70,6 +77,7 @@ CALIBRATION_TOKENS = 24
 REPEATS = 10  # each width's forwards timed, interleaved
 LONG_CONTEXT = 1024  # tokens in the cache under the second timing of the forwards (fewer where the model holds fewer)
 LONG_REPEATS = 5
+RUN_TOKENS = Settings.max_new_tokens  # a run priced where its budget is not known: the app's and generate's default
 TREE_LINE = 4  # measured trees of a drafter from which their rounds are priced on one plane (tree_line)
 # candidates each drafted and extra token keeps for the inspector in the calibration decodes: as many as the runs a
 # first run's choice serves record (the app's and `generate`'s, Settings' default), whose rounds pay for them (on
@@ -77,7 +85,7 @@ TREE_LINE = 4  # measured trees of a drafter from which their rounds are priced 
 RECORD_TOP = Settings.record_top
 # (in the stored costs' key)
 TIMING = ("forwards: the fastest of their repeats, over two contexts; a tree's drafting: its median round; "
-          f"rounds recording {RECORD_TOP} candidates a token")
+          f"rounds recording {RECORD_TOP} candidates a token; prefills")
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 
@@ -98,6 +106,7 @@ class Costs:
     context: int = 0  # tokens in the cache under forward_ms (the calibration prompt's)
     long_ms: dict[int, float] = field(default_factory=dict)  # k tokens -> ms of a forward over long_context tokens
     long_context: int = 0  # (0: not timed)
+    prefill_ms: float = 0.0  # plain decoding's prefill over the calibration prompt (its `context` tokens; 0: not timed)
 
     @property
     def disturbed(self) -> bool:
@@ -126,6 +135,17 @@ class Costs:
         covariance = sum((w - mean_w) * (e - mean_e) for w, e in zip(widths, extra, strict=True))
         b = max(covariance / spread, 0.0) if spread else 0.0
         return max(mean_e + b * (k - mean_w), 0.0)
+
+    def prefill(self, prompt_tokens: int) -> float | None:
+        """ms of the target's prefill after a prompt of that many tokens (all but its last go through it): affine in
+        the prompt's tokens, through a one-token forward at a two-token prompt and the calibration prompt's measured
+        prefill; None where not measured."""
+        if not self.prefill_ms or self.context < 3:
+            return None
+        if prompt_tokens < 2:
+            return 0.0  # nothing to prefill but a hole
+        step = self.forward_ms[1]
+        return max(step + (self.prefill_ms - step) * (prompt_tokens - 2) / (self.context - 2), 0.0)
 
     def c(self, k: int, context: int | None = None) -> float:
         """c(k): a forward of k tokens in one-token forwards (over `context` tokens of cache)."""
@@ -158,6 +178,7 @@ class Choice:
     nodes: int = 0  # a tree's drafts verified per round (0: all)
     tokens_per_round: float = field(default=0.0, compare=False)  # the τ `expected` assumes (the preset's, measured)
     context: int | None = field(default=None, compare=False)  # tokens of cache it was priced at (None: a short prompt)
+    new_tokens: int = field(default=0, compare=False)  # the run's budget it was priced for, prefills included
 
     @property
     def shape(self) -> Shape:
@@ -172,12 +193,16 @@ class Choice:
 
 
 def expected_speedup(costs: Costs, drafter: str, shape: Shape, tokens_per_round: float, sampled: bool = False,
-                     context: int | None = None) -> float:
+                     context: int | None = None, new_tokens: int = 0) -> float:
     """S of the module docstring, for a chain (branch 1) or a tree (its round timed greedy or sampled), with the
-    forwards priced over `context` tokens of cache (None: the calibration prompt's)."""
+    forwards priced over `context` tokens of cache (None: the calibration prompt's); for a run of `new_tokens`, its
+    prefills included (the prompt: context_of's, or the calibration prompt; 0: the rounds alone)."""
     plain = costs.forward(1, context) + costs.overhead_ms.get("", 0.0)
-    return tokens_per_round * plain / (costs.forward(width(shape), context)
-                                       + beside_verify_ms(costs, drafter, shape, sampled))
+    spec = costs.forward(width(shape), context) + beside_verify_ms(costs, drafter, shape, sampled)
+    prefill = costs.prefill(costs.context if context is None else context - new_tokens // 2)
+    if not new_tokens or prefill is None:
+        return tokens_per_round * plain / spec
+    return (prefill + new_tokens * plain) / (prefill + new_tokens / tokens_per_round * spec)
 
 
 def beside_verify_ms(costs: Costs, drafter: str, shape: Shape, sampled: bool = False) -> float:
@@ -221,11 +246,12 @@ def _det3(m: list[list[float]]) -> float:
 
 
 def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False,
-         context: int | None = None) -> list[Choice]:
+         context: int | None = None, new_tokens: int = RUN_TOKENS) -> list[Choice]:
     """Every (drafter, shape) with a measured τ and a measured cost, best first (τ and tree rounds
-    measured sampling where `sampled`; forwards priced over `context` tokens of cache)."""
-    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau, sampled, context), shape[1], shape[2], tau,
-                      context)
+    measured sampling where `sampled`; forwards priced over `context` tokens of cache; for runs of `new_tokens`,
+    their prefills included: expected_speedup)."""
+    choices = [Choice(d, shape[0], expected_speedup(costs, d, shape, tau, sampled, context, new_tokens), shape[1],
+                      shape[2], tau, context, new_tokens)
                for d, by_shape in tokens_per_round.items() if d in costs.draft_ms
                for shape, tau in by_shape.items()
                if (shape[1] == 1 and shape[0] + 1 <= MAX_WIDTH) or tree_key(d, shape, sampled) in costs.tree_ms]
@@ -305,9 +331,9 @@ def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool, progr
 
 
 def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0),
-                 sampled: bool = False) -> tuple[float, float]:
-    """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2; for a
-    tree `shape`, (draft ms per round, bookkeeping ms per round), from a decode at temperature 1 where
+                 sampled: bool = False) -> tuple[float, float, float]:
+    """(draft ms per drafted token, bookkeeping ms per round, prefill ms) from a short greedy decode at γ = 2; for a
+    tree `shape`, (draft ms per round, bookkeeping ms per round, prefill ms), from a decode at temperature 1 where
     `sampled`; drafter "" is plain decoding (draft 0). A tree's drafting is its median round: a
     calibration decode has a dozen rounds, and one slow round (the VM's noise) moved a mean enough to
     reorder shapes whose rounds differ by a head step. The decodes record RECORD_TOP candidates a token, as the
@@ -326,7 +352,7 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
         drafted = sum(e.gamma for e in events)
         draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
     spent = run.rounds_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
-    return draft, max(spent, 0.0) / max(len(run.events), 1)
+    return draft, max(spent, 0.0) / max(len(run.events), 1), run.meta.prefill_ms
 
 
 def _file(pair: ModelPair, compiled: bool) -> Path:
@@ -404,9 +430,11 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
     taken = contention.others_meter()
     for d, shape, sampled in rounds:
         if shape[1] == 1:
-            costs.draft_ms[d], costs.overhead_ms[d] = _round_costs(pair, d, compiled)
+            costs.draft_ms[d], costs.overhead_ms[d], prefill = _round_costs(pair, d, compiled)
+            if not d:
+                costs.prefill_ms = prefill
         else:
-            costs.tree_ms[tree_key(d, shape, sampled)] = sum(_round_costs(pair, d, compiled, shape, sampled))
+            costs.tree_ms[tree_key(d, shape, sampled)] = sum(_round_costs(pair, d, compiled, shape, sampled)[:2])
     shares.append(taken() if rounds else None)
     costs.draft_ms.pop("", None)
     costs.busy = max((b for b in shares if b is not None), default=None)
@@ -436,16 +464,16 @@ def _missing(widths: set[int], rounds: list[TreeRound]) -> str:
 
 
 def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], progress: Progress | None = None,
-              retune: bool = False, sampled: bool = False, context: int | None = None
+              retune: bool = False, sampled: bool = False, context: int | None = None, new_tokens: int = RUN_TOKENS
               ) -> tuple[Choice | None, Costs | None]:
     """The best (drafter, shape) for this pair on this machine, with its costs; (None, None) when the pair
     has no measured τ (then the preset's fixed defaults stand). `sampled`: τ measured at temperature 1, and
-    tree rounds timed sampling; `context`: the run's (context_of), where known."""
+    tree rounds timed sampling; `context` and `new_tokens`: the run's (context_of; its budget), where known."""
     if not tokens_per_round:
         return None, None
     trees = [(d, shape, sampled) for d, by_shape in tokens_per_round.items() for shape in by_shape if shape[1] > 1]
     costs = measure(pair, list(tokens_per_round), progress, retune, trees=trees)
-    ranked = rank(costs, tokens_per_round, sampled, context)
+    ranked = rank(costs, tokens_per_round, sampled, context, new_tokens)
     return (ranked[0] if ranked else None), costs
 
 
@@ -455,8 +483,8 @@ def describe(choice: Choice, costs: Costs) -> str:
     busy = f" Timed while {contention.took(costs.busy)}: the next start times it again." if costs.disturbed else ""
     return (note(choice, costs) or (
         f"chosen for this machine{at(choice)}: {choice.text}, expected {choice.expected:.2f}x over "
-        f"plain decoding (a verify of {k} tokens costs {costs.c(k, choice.context):.2f} one-token steps of "
-        f"{costs.forward(1, choice.context):.1f} ms here{held(choice)}).")) + busy
+        f"plain decoding{run_of(choice, costs)} (a verify of {k} tokens costs {costs.c(k, choice.context):.2f} "
+        f"one-token steps of {costs.forward(1, choice.context):.1f} ms here{held(choice)}).")) + busy
 
 
 def against(choice: Choice, costs: Costs, spec: Run, baseline: Run, sampled: bool = False) -> str:
@@ -481,6 +509,12 @@ def against(choice: Choice, costs: Costs, spec: Run, baseline: Run, sampled: boo
             f"{costs.c(width(choice.shape), choice.context):.2f}), drafted and kept its books in {spent / step:.2f} "
             f"more (priced at {rest:.2f}) and yielded {spec.tokens_per_round:.2f} tokens "
             f"({choice.tokens_per_round:.2f} on a median benchmark prompt)")
+
+
+def run_of(choice: Choice, costs: Costs) -> str:
+    """' in a run of N new tokens, prefills included' for a choice priced so, else ''."""
+    priced = choice.new_tokens and costs.prefill(choice.context or costs.context) is not None
+    return f" in a run of {choice.new_tokens} new tokens, prefills included" if priced else ""
 
 
 def held(choice: Choice) -> str:

@@ -154,7 +154,8 @@ def run(page: Page, request=None):
     SERVED["runs"] += 1
     context = context_of(len(prompt_ids), settings.max_new_tokens)
     yield from follow(view, updates, draft_note(pair, settings),
-                      measured_against(page.preset, not settings.sampling.greedy, context), bool(page.compare))
+                      measured_against(page.preset, not settings.sampling.greedy, context, settings.max_new_tokens),
+                      bool(page.compare))
 
 
 # --- step mode -----------------------------------------------------------------------------------

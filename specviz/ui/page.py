@@ -20,7 +20,7 @@ from ..core.events import Run
 from ..core.generator import DRAFTER_KINDS, MAX_GAMMA, MAX_NODES, Settings, draft_width
 from ..core.generator import validate_prompt as check_prompt
 from ..models.loading import PRESETS, ModelPair, load_pair
-from ..tools.costs import Choice, Costs, against, describe, expected_speedup, first_run, rank
+from ..tools.costs import RUN_TOKENS, Choice, Costs, against, describe, expected_speedup, first_run, rank
 from ..view.rendering import note_html
 
 CUSTOM = "custom (enter ids below)"
@@ -268,7 +268,8 @@ def machine_first_run(preset: str) -> tuple[Choice, Costs] | None:
     return _MACHINE_CHOICES.get((preset, False))
 
 
-def measured_against(preset: str, sampled: bool, context: int | None = None) -> Callable[[Run, Run], str] | None:
+def measured_against(preset: str, sampled: bool, context: int | None = None, new_tokens: int = RUN_TOKENS
+                     ) -> Callable[[Run, Run], str] | None:
     """(run, its baseline) -> how a run of what this machine chose for the preset (greedy or sampled) measured
     against the expected speedup, part by part, priced at the run's context (costs.context_of; '' for a run of
     other settings: costs.against), and which shape is expected faster at that context where another is; None
@@ -279,9 +280,9 @@ def measured_against(preset: str, sampled: bool, context: int | None = None) -> 
     if context is None:
         return functools.partial(against, *chosen, sampled=sampled)
     choice, costs = chosen
-    here = replace(choice, context=context, expected=expected_speedup(
-        costs, choice.drafter, choice.shape, choice.tokens_per_round, sampled, context))
-    ranked = rank(costs, PRESETS[preset].taus(sampled), sampled, context)
+    here = replace(choice, context=context, new_tokens=new_tokens, expected=expected_speedup(
+        costs, choice.drafter, choice.shape, choice.tokens_per_round, sampled, context, new_tokens))
+    ranked = rank(costs, PRESETS[preset].taus(sampled), sampled, context, new_tokens)
     best = ranked[0] if ranked and ranked[0].expected > here.expected else here
 
     def line(run: Run, baseline: Run) -> str:
