@@ -284,7 +284,8 @@ def test_a_first_run_adds_what_the_stored_costs_lack_and_keeps_the_rest(eagle_pa
     seen = []
     real = costs._round_costs
     monkeypatch.setattr(costs, "_round_costs", lambda *args: seen.append(args[3:]) or real(*args))
-    monkeypatch.setattr(costs, "forward_ms", lambda *a: pytest.fail("the forwards were timed: kept ones suffice"))
+    monkeypatch.setattr(costs, "_quietest_forwards", lambda *a: pytest.fail("the forwards were timed: kept ones "
+                                                                             "suffice"))
     _, both = costs.first_run(pair, taus, sampled=True)
     assert seen == [((3, 2, 4), True)]  # only the sampled tree's round
     assert both.tree_ms[costs.tree_key("eagle", (3, 2, 4))] == greedy.tree_ms[costs.tree_key("eagle", (3, 2, 4))]
@@ -311,16 +312,35 @@ def test_a_trees_drafting_is_its_median_round_so_one_slow_round_does_not_reorder
     from types import SimpleNamespace as NS
 
     rounds = [NS(draft_ms=d, verify_ms=10.0, gamma=2, elapsed_ms=0.0) for d in (2.0, 40.0, 3.0, 2.0)]
-    run = NS(events=rounds, meta=NS(prefill_ms=7.0))
+    run = NS(events=rounds, meta=NS(prefill_ms=0.0))
     rounds[-1].elapsed_ms = sum(e.draft_ms + e.verify_ms for e in rounds) + 4.0  # 1 ms of bookkeeping a round
     run.rounds_ms = rounds[-1].elapsed_ms  # no prefill (Run.rounds_ms)
     asked = []
     monkeypatch.setattr(costs, "generate", lambda pair, prompt, settings, mode: asked.append(settings) or run)
-    draft, bookkeeping, prefill = costs._round_costs(None, "eagle", False, (3, 3, 5))
-    assert (draft, bookkeeping, prefill) == (pytest.approx(2.5), pytest.approx(1.0), 7.0)
+    draft, bookkeeping = costs._round_costs(None, "eagle", False, (3, 3, 5))
+    assert (draft, bookkeeping) == (pytest.approx(2.5), pytest.approx(1.0))
     assert costs._round_costs(None, "eagle", False, (2, 1, 0))[0] == pytest.approx(47.0 / 8)
     # timed as the app and `generate` run: recording the inspector's candidates, whose cost is the round's too
     assert {s.record_top for s in asked} == {Settings().record_top} and Settings().record_top > 0
+
+
+def test_each_calibration_decode_is_put_at_the_pace_the_forwards_were_timed_at(tmp_path, monkeypatch):
+    """The forwards were timed at 10 ms a step; right after a decode one takes 20 (the VM runs at half speed for
+    a while): what that decode measured is priced at half, as it would have cost when the forwards were timed."""
+    from types import SimpleNamespace as NS
+
+    c = made_costs({k: 10.0 for k in range(1, 6)}, {})
+    c.forward_ms[costs.width((3, 2, 4))] = 11.0
+    monkeypatch.setattr(costs, "encode_prompt", lambda tokenizer, prompt: [1, 2, 3])
+    monkeypatch.setattr(costs, "forward_ms", lambda pair, ids, widths, repeats, compiled: {1: 20.0})
+    assert costs._pace(NS(tokenizer=None), c, False) == 0.5
+    assert costs._pace(NS(tokenizer=None), made_costs({}, {}), False) == 1.0  # no forwards timed: as measured
+    monkeypatch.setattr(costs, "_round_costs", lambda *args: (2.0, 1.0))
+    monkeypatch.setattr(costs, "_quietest_forwards", lambda *a: pytest.fail("the forwards are known"))
+    got = costs._measure(NS(tokenizer=None), ["eagle"], [("eagle", (3, 2, 4), False)], False, tmp_path / "c.json",
+                         None, c)
+    assert (got.draft_ms, got.overhead_ms) == ({"eagle": 1.0}, {"": 0.5, "eagle": 0.5})
+    assert got.tree_ms == {costs.tree_key("eagle", (3, 2, 4)): 1.5}
 
 
 def test_the_cpus_other_processes_take_are_read_from_proc_stat():
@@ -387,7 +407,7 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
         return {k: 10.0 + len(timings) + k for k in widths}  # which attempt was kept: 11 + k, 12 + k, ...
 
     monkeypatch.setattr(costs, "forward_ms", forwards)
-    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5, 20.0))
+    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5))
 
     # busy, then quiet: the forwards are timed twice and the quiet timing kept
     said = []
@@ -431,7 +451,7 @@ def test_costs_kept_unmetered_are_timed_again_by_a_start_that_meters(pattern_pai
     timings = []
     monkeypatch.setattr(costs, "forward_ms", lambda pair, ids, widths, repeats, compiled: (
         repeats == costs.REPEATS and timings.append(1)) or {k: 10.0 + len(timings) + k for k in widths})
-    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5, 20.0))
+    monkeypatch.setattr(costs, "_round_costs", lambda *args, **kwargs: (1.0, 0.5))
     monkeypatch.setenv("SPECVIZ_IGNORE_LOAD", "1")
     _, kept = costs.first_run(pair, taus)
     assert kept.busy is None and len(timings) == 1

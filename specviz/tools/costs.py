@@ -9,10 +9,11 @@ one-token forward and its bookkeeping per token. So the expected speedup over pl
 
 over the rounds alone. A run's tokens per second count its prefill too (the page's speedup, bench's), so a run of
 N new tokens after a prompt is priced as (prefill + N · (step + base_overhead)) / (prefill + N / τ_d(γ) · round),
-the target's prefill measured on the calibration prompt and priced affine in the prompt's tokens (`Costs.prefill`):
-after a long prompt it takes most of both runs, and the expected speedup falls towards 1. A drafter's own start
-(the EAGLE head's pass over the prompt: one layer against the target's thirty) is left unpriced: measured as the
-difference of two prefills of ~25 ms, a few ms of noise, it would be multiplied by a long prompt's length.
+the target's prefill of the calibration prompt timed with the forwards and priced affine in the prompt's tokens
+(`Costs.prefill`): after a long prompt it takes most of both runs, and the expected speedup falls towards 1. A
+drafter's own start (the EAGLE head's pass over the prompt: one layer against the target's thirty) is left
+unpriced: measured as the difference of two prefills of ~25 ms, a few ms of noise, it would be multiplied by a long
+prompt's length.
 
 A tree (γ levels deep, `branch` children per node, `nodes` verified) is priced the same way with its
 own measured round: S = τ · (step + base_overhead) / (verify(nodes + 1) + its drafting and bookkeeping
@@ -85,7 +86,7 @@ TREE_LINE = 4  # measured trees of a drafter from which their rounds are priced 
 RECORD_TOP = Settings.record_top
 # (in the stored costs' key)
 TIMING = ("forwards: the fastest of their repeats, over two contexts; a tree's drafting: its median round; "
-          f"rounds recording {RECORD_TOP} candidates a token; prefills")
+          f"rounds recording {RECORD_TOP} candidates a token; prefills; decodes at the forwards' pace")
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 
@@ -106,7 +107,7 @@ class Costs:
     context: int = 0  # tokens in the cache under forward_ms (the calibration prompt's)
     long_ms: dict[int, float] = field(default_factory=dict)  # k tokens -> ms of a forward over long_context tokens
     long_context: int = 0  # (0: not timed)
-    prefill_ms: float = 0.0  # plain decoding's prefill over the calibration prompt (its `context` tokens; 0: not timed)
+    prefill_ms: float = 0.0  # the target's prefill of the calibration prompt (prefill_ms; 0: not timed)
 
     @property
     def disturbed(self) -> bool:
@@ -308,12 +309,28 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
     return {k: min(v) for k, v in times.items()}
 
 
+def prefill_ms(pair: ModelPair, ids: list[int], repeats: int, compiled: bool) -> float:
+    """ms of the target's prefill of the prompt into a fresh static cache: the fastest of the repeats, as a forward's
+    (a run's prefill, timed in its decode, is one sample: on CPU C one in four calibrations read 45-60 ms for ~25)."""
+    times = []
+    with torch.inference_mode():
+        for rep in range(repeats + 2):  # two to warm up (and compile)
+            state = KVState(pair.target, 1, "static", pair.vocab_size, len(ids) + 1, compiled)
+            start = time.perf_counter()
+            state.prefill([ids], 0)
+            if state.mask.device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep >= 2:
+                times.append(1000 * (time.perf_counter() - start))
+    return min(times)
+
+
 def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool, progress: Progress | None
-                       ) -> tuple[tuple[list[int], dict[int, float], list[int], dict[int, float]], float | None]:
+                       ) -> tuple[tuple[list[int], dict[int, float], list[int], dict[int, float], float], float | None]:
     """forward_ms over the calibration prompt and over a long context (that prompt's ids repeated to LONG_CONTEXT
-    tokens, or as many as the model holds), timed again while other processes took too much of the CPU time our
-    threads needed (contention.quietest): ((short ids, their forwards, long ids, theirs), that part; None: unknown).
-    No long timing where the model holds no more than the short prompt."""
+    tokens, or as many as the model holds), and the prompt's prefill_ms, timed again while other processes took too
+    much of the CPU time our threads needed (contention.quietest): ((short ids, their forwards, long ids, theirs, the
+    prefill), that part; None: unknown). No long timing where the model holds no more than the short prompt."""
     ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
     limit = getattr(pair.target.config, "max_position_embeddings", None) or LONG_CONTEXT + max(widths) + 1
     long = min(LONG_CONTEXT, limit - max(widths) - 1)
@@ -325,19 +342,20 @@ def _quietest_forwards(pair: ModelPair, widths: list[int], compiled: bool, progr
 
     def both():
         short = forward_ms(pair, ids, widths, REPEATS, compiled)
-        return ids, short, long_ids, forward_ms(pair, long_ids, widths, LONG_REPEATS, compiled) if long_ids else {}
+        long = forward_ms(pair, long_ids, widths, LONG_REPEATS, compiled) if long_ids else {}
+        return ids, short, long_ids, long, prefill_ms(pair, ids, REPEATS, compiled)
 
     return contention.quietest(both, again)
 
 
 def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (2, 1, 0),
-                 sampled: bool = False) -> tuple[float, float, float]:
-    """(draft ms per drafted token, bookkeeping ms per round, prefill ms) from a short greedy decode at γ = 2; for a
-    tree `shape`, (draft ms per round, bookkeeping ms per round, prefill ms), from a decode at temperature 1 where
+                 sampled: bool = False) -> tuple[float, float]:
+    """(draft ms per drafted token, bookkeeping ms per round) from a short greedy decode at γ = 2; for a
+    tree `shape`, (draft ms per round, bookkeeping ms per round), from a decode at temperature 1 where
     `sampled`; drafter "" is plain decoding (draft 0). A tree's drafting is its median round: a
     calibration decode has a dozen rounds, and one slow round (the VM's noise) moved a mean enough to
     reorder shapes whose rounds differ by a head step. The decodes record RECORD_TOP candidates a token, as the
-    runs the choice serves do."""
+    runs the choice serves do. Times as measured: `_measure` puts them at the forwards' pace (`_pace`)."""
     tree = shape[1] > 1
     settings = Settings(gamma=shape[0], branch=shape[1], nodes=shape[2], drafter=drafter or "model",
                         max_new_tokens=CALIBRATION_TOKENS, record_top=RECORD_TOP, compile=compiled,
@@ -352,7 +370,22 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
         drafted = sum(e.gamma for e in events)
         draft = sum(e.draft_ms for e in events) / drafted if drafted else 0.0
     spent = run.rounds_ms - sum(e.draft_ms + e.verify_ms for e in run.events)
-    return draft, max(spent, 0.0) / max(len(run.events), 1), run.meta.prefill_ms
+    return draft, max(spent, 0.0) / max(len(run.events), 1)
+
+
+PACE_REPEATS = 3  # one-token forwards timed right after each calibration decode (the fastest counts)
+
+
+def _pace(pair: ModelPair, costs: Costs, compiled: bool) -> float:
+    """The timed one-token forward over one timed now, right after a calibration decode, as the forwards were (the
+    fastest of a few): what puts the decode's times at the forwards' pace (1 where the forwards are not known). A
+    VM runs some seconds faster than others (by 20-30 % on CPU C), and the forwards and each decode are timed at
+    different moments: drafting priced as measured cost 0.22 one-token steps in one calibration and 0.55 in
+    another there."""
+    if 1 not in costs.forward_ms:
+        return 1.0
+    now = forward_ms(pair, encode_prompt(pair.tokenizer, CALIBRATION_PROMPT), range(1, 2), PACE_REPEATS, compiled)[1]
+    return costs.forward_ms[1] / now
 
 
 def _file(pair: ModelPair, compiled: bool) -> Path:
@@ -423,18 +456,19 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
         progress(f"measuring what a round costs on this machine (once, then cached): {_missing(forwards, rounds)}...")
     shares = [costs.busy]  # how much of what our threads needed other processes took, part by part
     if forwards:
-        (ids, costs.forward_ms, long_ids, costs.long_ms), busy = _quietest_forwards(pair, sorted(forwards), compiled,
-                                                                                   progress)
+        (ids, costs.forward_ms, long_ids, costs.long_ms, costs.prefill_ms), busy = _quietest_forwards(
+            pair, sorted(forwards), compiled, progress)
         costs.context, costs.long_context = len(ids), len(long_ids)
         shares.append(busy)
     taken = contention.others_meter()
     for d, shape, sampled in rounds:
         if shape[1] == 1:
-            costs.draft_ms[d], costs.overhead_ms[d], prefill = _round_costs(pair, d, compiled)
-            if not d:
-                costs.prefill_ms = prefill
+            draft, bookkeeping = _round_costs(pair, d, compiled)
+            pace = _pace(pair, costs, compiled)
+            costs.draft_ms[d], costs.overhead_ms[d] = draft * pace, bookkeeping * pace
         else:
-            costs.tree_ms[tree_key(d, shape, sampled)] = sum(_round_costs(pair, d, compiled, shape, sampled)[:2])
+            draft, bookkeeping = _round_costs(pair, d, compiled, shape, sampled)
+            costs.tree_ms[tree_key(d, shape, sampled)] = (draft + bookkeeping) * _pace(pair, costs, compiled)
     shares.append(taken() if rounds else None)
     costs.draft_ms.pop("", None)
     costs.busy = max((b for b in shares if b is not None), default=None)
