@@ -331,10 +331,10 @@ def test_each_calibration_decode_is_put_at_the_pace_the_forwards_were_timed_at(t
 
     c = made_costs({k: 10.0 for k in range(1, 6)}, {})
     c.forward_ms[costs.width((3, 2, 4))] = 11.0
-    monkeypatch.setattr(costs, "encode_prompt", lambda tokenizer, prompt: [1, 2, 3])
-    monkeypatch.setattr(costs, "forward_ms", lambda pair, ids, widths, repeats, compiled: {1: 20.0})
-    assert costs._pace(NS(tokenizer=None), c, False) == 0.5
-    assert costs._pace(NS(tokenizer=None), made_costs({}, {}), False) == 1.0  # no forwards timed: as measured
+    times = iter([25.0, 20.0, 22.0])
+    assert costs._pace(c, lambda: next(times)) == 0.5  # the fastest of three
+    assert costs._pace(made_costs({}, {}), lambda: 20.0) == costs._pace(c, None) == 1.0  # either unknown: as measured
+    monkeypatch.setattr(costs, "_one_step", lambda pair, compiled: lambda: 20.0)
     monkeypatch.setattr(costs, "_round_costs", lambda *args: (2.0, 1.0))
     monkeypatch.setattr(costs, "_quietest_forwards", lambda *a: pytest.fail("the forwards are known"))
     got = costs._measure(NS(tokenizer=None), ["eagle"], [("eagle", (3, 2, 4), False)], False, tmp_path / "c.json",

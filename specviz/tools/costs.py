@@ -376,16 +376,29 @@ def _round_costs(pair: ModelPair, drafter: str, compiled: bool, shape: Shape = (
 PACE_REPEATS = 3  # one-token forwards timed right after each calibration decode (the fastest counts)
 
 
-def _pace(pair: ModelPair, costs: Costs, compiled: bool) -> float:
-    """The timed one-token forward over one timed now, right after a calibration decode, as the forwards were (the
-    fastest of a few): what puts the decode's times at the forwards' pace (1 where the forwards are not known). A
-    VM runs some seconds faster than others (by 20-30 % on CPU C), and the forwards and each decode are timed at
+def _one_step(pair: ModelPair, compiled: bool) -> Callable[[], float]:
+    """() -> ms of a one-token forward over the calibration prompt, as the forwards are timed, on a state made once."""
+    ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
+    state = KVState(pair.target, 1, "static", pair.vocab_size, len(ids) + 2, compiled)
+    with torch.inference_mode():
+        state.prefill([ids], 0)
+    run = timed_forward(state, ids)
+
+    def step() -> float:
+        with torch.inference_mode():
+            return run(1)
+    return step
+
+
+def _pace(costs: Costs, step: Callable[[], float] | None) -> float:
+    """The timed one-token forward over one timed now by `step`, right after a calibration decode (the fastest of a
+    few, as the forwards): what puts the decode's times at the forwards' pace (1 where either is not known). A VM
+    runs some seconds faster than others (by 20-30 % on CPU C), and the forwards and each decode are timed at
     different moments: drafting priced as measured cost 0.22 one-token steps in one calibration and 0.55 in
     another there."""
-    if 1 not in costs.forward_ms:
+    if step is None or 1 not in costs.forward_ms:
         return 1.0
-    now = forward_ms(pair, encode_prompt(pair.tokenizer, CALIBRATION_PROMPT), range(1, 2), PACE_REPEATS, compiled)[1]
-    return costs.forward_ms[1] / now
+    return costs.forward_ms[1] / min(step() for _ in range(PACE_REPEATS))
 
 
 def _file(pair: ModelPair, compiled: bool) -> Path:
@@ -461,14 +474,15 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
         costs.context, costs.long_context = len(ids), len(long_ids)
         shares.append(busy)
     taken = contention.others_meter()
+    step = _one_step(pair, compiled) if rounds and 1 in costs.forward_ms else None
     for d, shape, sampled in rounds:
         if shape[1] == 1:
             draft, bookkeeping = _round_costs(pair, d, compiled)
-            pace = _pace(pair, costs, compiled)
+            pace = _pace(costs, step)
             costs.draft_ms[d], costs.overhead_ms[d] = draft * pace, bookkeeping * pace
         else:
             draft, bookkeeping = _round_costs(pair, d, compiled, shape, sampled)
-            costs.tree_ms[tree_key(d, shape, sampled)] = (draft + bookkeeping) * _pace(pair, costs, compiled)
+            costs.tree_ms[tree_key(d, shape, sampled)] = (draft + bookkeeping) * _pace(costs, step)
     shares.append(taken() if rounds else None)
     costs.draft_ms.pop("", None)
     costs.busy = max((b for b in shares if b is not None), default=None)
