@@ -289,7 +289,7 @@ def test_packing_unavailable_skips_the_path_and_decodes_the_same(pattern_pair, f
 def test_row_counts_of_one_timed_class_ask_for_one_choice(monkeypatch):
     """A prompt's length is a new row count for every product; rows the table answers alike (the same timed row
     count standing for them, on the same side of the largest) take the choice made for their class without asking
-    the table again (which cost ~10 ms at each new prompt length on CPU C, paid by whichever run came first)."""
+    the table again (a cost at each new prompt length, paid by whichever run came first on a prompt)."""
     asked = []
     monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: asked.append(
         (rows, in_call)) or "linear")
