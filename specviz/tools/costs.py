@@ -227,23 +227,13 @@ def tree_line(costs: Costs, drafter: str, sampled: bool = False) -> dict[Shape, 
         if name == drafter and bool(mode) == sampled:
             shape = parse_trees(label)[0]
             points.append((shape, (1.0, float(shape[0]), float(width(shape) - 1)), ms))
-    if len(points) < TREE_LINE or len({shape[0] for shape, _, _ in points}) < 2:
+    x = torch.tensor([row for _, row, _ in points], dtype=torch.float64)  # [shapes, 3]
+    if len(points) < TREE_LINE or torch.linalg.matrix_rank(x) < 3:  # one depth, or drafts a multiple of depth
         return {}
-    # normal equations (X'X) β = X'y, solved by Cramer's rule: three unknowns
-    xtx = [[sum(x[i] * x[j] for _, x, _ in points) for j in range(3)] for i in range(3)]
-    xty = [sum(x[i] * y for _, x, y in points) for i in range(3)]
-    det = _det3(xtx)
-    if abs(det) < 1e-9:  # drafts verified a multiple of depth in every shape: no plane to fit
-        return {}
-    beta = [_det3([[xty[r] if c == i else xtx[r][c] for c in range(3)] for r in range(3)]) / det for i in range(3)]
+    beta = torch.linalg.lstsq(x, torch.tensor([[ms] for _, _, ms in points], dtype=torch.float64)).solution[:, 0]
     if beta[1] <= 0:
         return {}
-    return {shape: max(sum(b * v for b, v in zip(beta, x, strict=True)), 0.0) for shape, x, _ in points}
-
-
-def _det3(m: list[list[float]]) -> float:
-    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    return {shape: max(float(row @ beta), 0.0) for (shape, _, _), row in zip(points, x, strict=True)}
 
 
 def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled: bool = False,
@@ -293,14 +283,20 @@ def timed_forward(state: KVState, prompt_ids: list[int]) -> Callable[[int], floa
     return run
 
 
+def _over_prompt(pair: ModelPair, prompt_ids: list[int], widest: int, compiled: bool) -> Callable[[int], float]:
+    """timed_forward on a static cache made for forwards of up to `widest` tokens, the prompt prefilled."""
+    state = KVState(pair.target, 1, "static", pair.vocab_size, len(prompt_ids) + widest + 1, compiled)
+    with torch.inference_mode():
+        state.prefill([prompt_ids], 0)
+    return timed_forward(state, prompt_ids)
+
+
 def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: int, compiled: bool) -> dict[int, float]:
     """ms of the target's forward of k tokens (static cache), widths interleaved: the fastest of the repeats,
     since other work on the machine only ever slows a forward down."""
-    state = KVState(pair.target, 1, "static", pair.vocab_size, len(prompt_ids) + max(widths) + 1, compiled)
+    run = _over_prompt(pair, prompt_ids, max(widths), compiled)
     times: dict[int, list[float]] = {k: [] for k in widths}
     with torch.inference_mode():
-        state.prefill([prompt_ids], 0)
-        run = timed_forward(state, prompt_ids)
         for rep in range(repeats + 2):  # two to warm up (and compile)
             for k in widths:
                 elapsed = run(k)
@@ -378,11 +374,7 @@ PACE_REPEATS = 3  # one-token forwards timed right after each calibration decode
 
 def _one_step(pair: ModelPair, compiled: bool) -> Callable[[], float]:
     """() -> ms of a one-token forward over the calibration prompt, as the forwards are timed, on a state made once."""
-    ids = encode_prompt(pair.tokenizer, CALIBRATION_PROMPT)
-    state = KVState(pair.target, 1, "static", pair.vocab_size, len(ids) + 2, compiled)
-    with torch.inference_mode():
-        state.prefill([ids], 0)
-    run = timed_forward(state, ids)
+    run = _over_prompt(pair, encode_prompt(pair.tokenizer, CALIBRATION_PROMPT), 1, compiled)
 
     def step() -> float:
         with torch.inference_mode():
