@@ -297,21 +297,27 @@ rows_by_group(const int32_t *xp, const uint16_t *wg, const float *bias, uint16_t
     }
 PASS_FN(1) PASS_FN(2) PASS_FN(3) PASS_FN(4) PASS_FN(5) PASS_FN(6)
 
+/* Every group of 64 columns (shared among threads) times the m rows in passes of at most 6, as even as can be (8:
+   4 + 4): `call` runs pass[rows - 1] on rows m0.. of group g (the pair and int8 kernels). */
+#define GROUPS_BY_PASSES(groups, m, call)                                                                      \
+    _Pragma("omp parallel for schedule(static)") for (int g = 0; g < (groups); g++)                           \
+    {                                                                                                          \
+        int passes = ((m) + 5) / 6;                                                                            \
+        for (int p = 0, m0 = 0; p < passes; p++) {                                                             \
+            int rows = (m) / passes + (p < (m) % passes);                                                      \
+            call;                                                                                              \
+            m0 += rows;                                                                                        \
+        }                                                                                                      \
+    }
+
 __attribute__((TARGET_BF16)) void specviz_gemm_dot_bf16(const int32_t *x, const uint16_t *w, const float *bias,
                                                         uint16_t *y, int m, int n, int pairs)
 {
     void (*pass[])(const int32_t *, const uint16_t *, const float *, uint16_t *, int, int, int) = {
         pass_1, pass_2, pass_3, pass_4, pass_5, pass_6};
-#pragma omp parallel for schedule(static)
-    for (int g = 0; g < (n + GROUP - 1) / GROUP; g++) {
-        const uint16_t *wg = w + (size_t)g * pairs * 2 * GROUP;
-        int passes = (m + 5) / 6; /* rows in passes of at most 6, as even as can be (8: 4 + 4) */
-        for (int p = 0, m0 = 0; p < passes; p++) {
-            int rows = m / passes + (p < m % passes);
-            pass[rows - 1](x + (size_t)m0 * pairs, wg, bias, y + (size_t)m0 * n, pairs, n, g * GROUP);
-            m0 += rows;
-        }
-    }
+    GROUPS_BY_PASSES((n + GROUP - 1) / GROUP, m,
+                     pass[rows - 1](x + (size_t)m0 * pairs, w + (size_t)g * pairs * 2 * GROUP, bias,
+                                    y + (size_t)m0 * n, pairs, n, g * GROUP))
 }
 
 /* The pair kernel with the signature every product of specviz_layers has (k, not its pairs: k is even there). */
@@ -1110,7 +1116,8 @@ void specviz_topk_f32(const float *x, int64_t rows, int64_t n, int64_t stride, i
    stored as u + 128 (VPDPBUSD multiplies unsigned bytes by signed ones), so a row's result never depends on the
    rows beside it: y = t_r s_c (sum (u + 128) q - 128 sum q) (+ bias, in one fused multiply-add with the last
    product), rounded to bfloat16. The integer sums are
-   exact (|sum| < 2^31 for k < 65,000); a pass takes a group and up to 6 rows, as the pair kernel's does. */
+   exact (|sum| < 2^31 for k < 65,000); a pass takes a group and up to 6 rows, as the pair kernel's does
+   (GROUPS_BY_PASSES). */
 #define TARGET_VNNI target("avx512f,avx512bw,avx512vl,avx512vnni")
 
 /* 16 float32 lanes rounded to bfloat16 as to_bf16 rounds each (no AVX512-BF16 needed). */
@@ -1230,17 +1237,9 @@ __attribute__((TARGET_VNNI)) void specviz_gemm_int8(const void *x_, const void *
         scale[r] = quantize_row(x + (size_t)r * k, k, 4 * quads, (uint8_t *)(xq + (size_t)r * quads));
     void (*pass[])(const int32_t *, const float *, const int8_t *, const float *, const float *, uint16_t *, int, int,
                    int, int) = {int8_pass_1, int8_pass_2, int8_pass_3, int8_pass_4, int8_pass_5, int8_pass_6};
-#pragma omp parallel for schedule(static)
-    for (int g = 0; g < groups; g++) {
-        const int8_t *wg = weights + (size_t)g * quads * 4 * GROUP;
-        int passes = (m + 5) / 6;
-        for (int p = 0, m0 = 0; p < passes; p++) {
-            int rows = m / passes + (p < m % passes);
-            pass[rows - 1](xq + (size_t)m0 * quads, scale + m0, wg, head, bias, y + (size_t)m0 * n, quads, n, g * GROUP,
-                           npad);
-            m0 += rows;
-        }
-    }
+    GROUPS_BY_PASSES(groups, m,
+                     pass[rows - 1](xq + (size_t)m0 * quads, scale + m0, weights + (size_t)g * quads * 4 * GROUP, head,
+                                    bias, y + (size_t)m0 * n, quads, n, g * GROUP, npad))
     free(xq);
     free(scale);
 }
