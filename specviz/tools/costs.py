@@ -51,6 +51,7 @@ timed again at the next start.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -267,16 +268,21 @@ def at(choice: Choice) -> str:
 # --- measuring -----------------------------------------------------------------------------------
 
 
+def _ms(work: Callable[[], object], device: torch.device) -> float:
+    """ms that work() takes, a GPU's queued work included."""
+    start = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start)
+
+
 def timed_forward(state: KVState, prompt_ids: list[int]) -> Callable[[int], float]:
     """run(k) -> ms of one forward of k tokens over the cached prompt, rolled back afterwards (a
     verify whose drafts are all rejected), so every repeat runs at the same length."""
     def run(k: int) -> float:
         ids = torch.tensor([prompt_ids[-k:]], device=state.mask.device)
-        start = time.perf_counter()
-        state.forward(ids, torch.ones_like(ids, dtype=torch.bool))
-        if state.mask.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = 1000 * (time.perf_counter() - start)
+        elapsed = _ms(lambda: state.forward(ids, torch.ones_like(ids, dtype=torch.bool)), ids.device)
         state.make_holes(0, state.width - k, state.width)
         state.trim()
         return elapsed
@@ -312,12 +318,9 @@ def prefill_ms(pair: ModelPair, ids: list[int], repeats: int, compiled: bool) ->
     with torch.inference_mode():
         for rep in range(repeats + 2):  # two to warm up (and compile)
             state = KVState(pair.target, 1, "static", pair.vocab_size, len(ids) + 1, compiled)
-            start = time.perf_counter()
-            state.prefill([ids], 0)
-            if state.mask.device.type == "cuda":
-                torch.cuda.synchronize()
+            elapsed = _ms(functools.partial(state.prefill, [ids], 0), state.mask.device)
             if rep >= 2:
-                times.append(1000 * (time.perf_counter() - start))
+                times.append(elapsed)
     return min(times)
 
 
