@@ -28,6 +28,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from specviz.models import kernels
 from specviz.models.cachedir import locked
 from specviz.models.loading import load_pair
 from specviz.tools.distill import DistillConfig, distill_eagle
@@ -76,6 +77,18 @@ def temp_files_under_pytest(tmp_path_factory):
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = before[1]
+
+
+@pytest.fixture
+def fresh_tables(tmp_path, monkeypatch):
+    """A cache folder with no table (our C library as this run built it linked in) and no table in memory;
+    restored afterwards."""
+    monkeypatch.setenv("SPECVIZ_CACHE", str(with_our_build(tmp_path)))
+    saved = dict(kernels._TABLES)
+    kernels._TABLES.clear()
+    yield tmp_path
+    kernels._TABLES.clear()
+    kernels._TABLES.update(saved)
 
 
 UNK, PAD, EOS = 0, 1, 2

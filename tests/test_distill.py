@@ -101,21 +101,43 @@ def test_distill_a_tiny_target(pattern_dirs, tmp_path, capsys):
     assert spec.token_ids == base.token_ids
 
 
-def test_training_autocasts_only_where_a_measured_training_step_is_faster(monkeypatch):
+def test_training_autocasts_only_where_a_measured_training_step_is_faster(fresh_tables, monkeypatch):
+    """On a CPU the head trains in bf16 autocast only where a timed training step is clearly faster in it; the
+    two precisions are timed interleaved, the warm-up dropped, and the answer kept per machine, so a second run
+    (a second start too) trains in the precision of the first (on CPU C a 64-row timing taken anew each run
+    flipped between runs)."""
     cpu = torch.device("cpu")
+    calls = []
 
-    def pick(fp32_ms, bf16_ms):
-        return training_dtype(cpu, 8, 16, step_ms=lambda lin, x, bf16: bf16_ms if bf16 else fp32_ms)
+    def timed(fp32_ms, bf16_ms):
+        def step_ms(lin, x, bf16):
+            calls.append(bf16)
+            warm = len(calls) <= 2  # the first of each precision: far faster than the rest, and dropped
+            return 0.001 if warm else (bf16_ms if bf16 else fp32_ms) + 0.1 * (len(calls) % 3)
+        return step_ms
 
-    assert pick(10.0, 5.0)[0] == torch.bfloat16
-    assert pick(10.0, 50.0) == (torch.float32, "float32: a 8x16 training product costs 10.0 ms against 50.0 ms "
-                                               "in bfloat16 here")
-    assert pick(10.0, 9.5)[0] == torch.float32  # not clearly faster
+    assert training_dtype(cpu, 8, 16, step_ms=timed(10.0, 5.0)) == (
+        torch.bfloat16, "bfloat16 autocast: a 8x16 training product costs 5.0 ms against 10.0 ms in float32 here")
+    assert calls == [False, True] * (distill.TRAINING_REPEATS + 1)
+    assert kernels.table(torch.float32).calls["training 8x16"] == {"512": {"float32": 10.0, "bfloat16": 5.0}}
+
+    def never(lin, x, bf16):
+        pytest.fail("timed again")
+
+    assert training_dtype(cpu, 8, 16, step_ms=never)[0] == torch.bfloat16  # kept in this process
+    kernels.forget()
+    assert training_dtype(cpu, 8, 16, step_ms=never)[0] == torch.bfloat16  # and in the file: a new start reads it
+    calls.clear()
+    assert training_dtype(cpu, 8, 24, step_ms=timed(10.0, 50.0)) == (
+        torch.float32, "float32: a 8x24 training product costs 10.0 ms against 50.0 ms in bfloat16 here")
+    calls.clear()
+    assert training_dtype(cpu, 8, 32, step_ms=timed(10.0, 9.5))[0] == torch.float32  # not clearly faster
     # not the decode step's choice: on a CPU without bf16 instructions our kernels make bf16 decoding the
     # faster, and ATen's bf16 training the far slower (BENCHMARKS.md); a real measurement, whatever it picks
     monkeypatch.setattr(kernels, "compare_dtypes", lambda *a, **k: pytest.fail("asked the decode step's table"))
     dtype, why = training_dtype(cpu, 32, 64)
     assert "32x64 training product" in why and dtype in (torch.float32, torch.bfloat16)
+    assert set(kernels.table(torch.float32).calls["training 32x64"]["512"]) == {"float32", "bfloat16"}
 
 
 def test_fewer_prompts_than_asked_are_named_before_any_model_work(tmp_path):

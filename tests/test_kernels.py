@@ -22,18 +22,6 @@ from specviz.models.leanllama import LeanLlama, Linear
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def fresh_tables(tmp_path, monkeypatch):
-    """A cache folder with no table (our C library as this run built it linked in) and no table in memory;
-    restored afterwards."""
-    monkeypatch.setenv("SPECVIZ_CACHE", str(with_our_build(tmp_path)))
-    saved = dict(kernels._TABLES)
-    kernels._TABLES.clear()
-    yield tmp_path
-    kernels._TABLES.clear()
-    kernels._TABLES.update(saved)
-
-
 def _relinked(pair):
     """The pair's lean forward built again, so its Linear modules ask the (new) table."""
     pair.target.__dict__.pop("_specviz_lean", None)

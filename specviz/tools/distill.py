@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..core.drafters import Columns
 from ..core.kvcache import KVState, on_device
-from ..models import kernels
+from ..models import contention, kernels
 from ..models.eagle import EagleHead, HeadConfig
 from ..models.loading import choose_dtype, encode_prompt, eos_ids_of, load_model, resolve_device
 from .prompts import training_prompts
@@ -379,35 +379,54 @@ def fit(params: list[torch.nn.Parameter], cfg: DistillConfig, batch_loss: Callab
     return {"steps": step, "tokens_seen": seen, "train_s": round(time.perf_counter() - start, 1)}
 
 
-def _train_step_ms(lin: torch.nn.Linear, x: torch.Tensor, bf16: bool, repeats: int = 3) -> float:
-    """The fastest of `repeats` forward and backward passes of lin over x, in ms (bf16: under autocast)."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-            y = lin(x)
-        y.float().square().mean().backward()
-        times.append(time.perf_counter() - start)
-    return 1000 * min(times[1:])  # the first warms up
+TRAINING_REPEATS = 3  # training_dtype: timed steps per precision, interleaved, after one each to warm up
+# training_dtype: the rows of the timed step. A batch trains thousands of rows; at 64 rows CPU C's bf16 (AMX) step
+# measured 0.8-1.0 of float32's, at 256 to 2048 rows 0.52-0.63 (BENCHMARKS.md)
+TRAINING_ROWS = 512
+
+
+def _train_step_ms(lin: torch.nn.Linear, x: torch.Tensor, bf16: bool) -> float:
+    """One forward and backward pass of lin over x, in ms (bf16: under autocast)."""
+    start = time.perf_counter()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        y = lin(x)
+    y.float().square().mean().backward()
+    return 1000 * (time.perf_counter() - start)
 
 
 def training_dtype(device: torch.device, width: int, intermediate: int,
                    step_ms: Callable[..., float] = _train_step_ms) -> tuple[torch.dtype, str]:
     """(dtype, why): bfloat16 autocast where training runs faster in it here, else float32. On a GPU, where it
-    computes bfloat16 natively; on a CPU, measured on a step of the head's MLP product (64 rows, forward and
-    backward). Not the inference choice (resolve_dtype's `auto`): without bf16 instructions our kernels make a
-    bfloat16 decode step the faster one, while ATen's bfloat16 training products there take many times float32's."""
+    computes bfloat16 natively; on a CPU, measured on a step of the head's MLP product (TRAINING_ROWS rows, forward
+    and backward; the fastest of TRAINING_REPEATS in each precision, interleaved), once per machine: kept in the
+    float32 kernel table's `calls`, so every later run here trains in the same precision (`specviz kernels
+    --retune --dtype float32` measures it again). Not the
+    inference choice (resolve_dtype's `auto`): without bf16 instructions our kernels make a bfloat16 decode step
+    the faster one, while ATen's bfloat16 training products there take many times float32's."""
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
         return (torch.bfloat16, "the GPU computes bfloat16 natively") if native else (
             torch.float32, "the GPU has no native bfloat16")
     if device.type != "cpu":
         return torch.float32, f"float32 on {device.type}"
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():  # the caller's random state as it was
-        lin = torch.nn.Linear(width, intermediate, device=device)
-        x = torch.randn(64, width, device=device, requires_grad=True)
-        fp32, bf16 = step_ms(lin, x, False), step_ms(lin, x, True)
+    key = f"training {width}x{intermediate}"
+    ms = kernels.table(torch.float32).calls.get(key, {}).get(str(TRAINING_ROWS), {})
+    if set(ms) != {"float32", "bfloat16"}:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():  # the caller's random state as it was
+            lin = torch.nn.Linear(width, intermediate, device=device)
+            x = torch.randn(TRAINING_ROWS, width, device=device, requires_grad=True)
+
+            def time_them() -> dict[str, float]:
+                times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+                for _ in range(TRAINING_REPEATS + 1):  # the first of each warms up
+                    for name in times:
+                        times[name].append(step_ms(lin, x, name == "bfloat16"))
+                return {name: min(t[1:]) for name, t in times.items()}
+
+            ms, _ = contention.quietest(time_them)  # timed again while other programs take much of the CPU
+        kernels.keep_call(torch.float32, key, TRAINING_ROWS, ms)
     label = f"a {width}x{intermediate} training product costs {{:.1f}} ms against {{:.1f}} ms"
+    fp32, bf16 = ms["float32"], ms["bfloat16"]
     if bf16 < kernels.BF16_MARGIN * fp32:
         return torch.bfloat16, "bfloat16 autocast: " + label.format(bf16, fp32) + " in float32 here"
     return torch.float32, "float32: " + label.format(fp32, bf16) + " in bfloat16 here"
