@@ -1,7 +1,7 @@
 """Runs as a stream of typed updates: what the CLI, the app and a notebook consume.
 
-`stream` runs one prompt speculatively (and the plain baseline in turns with it, when asked)
-and `stream_batch` several prompts together; both yield an update per round and a last one with
+`stream` runs one prompt speculatively (and then the plain baseline, when asked) and
+`stream_batch` several prompts together; both yield an update per round and a last one with
 the finished runs, their decoded texts and, if asked, the path of the saved trace. A consumer
 maps updates to whatever it shows and stops a run by closing the iterator between rounds. Time
 spent by the consumer between updates (rendering, or a viewer stepping through rounds) counts
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.events import RoundEvent, Run, save_trace
@@ -27,7 +27,6 @@ class RoundDone:
 
     run: Run  # the run so far, this round included
     event: RoundEvent
-    next_prefill: str = ""  # the run whose prefill the stream runs next ("baseline"), for a status to say
 
 
 @dataclass
@@ -89,44 +88,25 @@ def _finish(pair: ModelPair, runs: list[Run], stopped: str, trace_dir: str | Pat
 def stream(pair: ModelPair, prompt: str, settings: Settings, compare: bool = False, chat_template: bool = True,
            prompt_ids: list[int] | None = None, time_limit_s: float = 0.0,
            trace_dir: str | Path | None = None) -> Iterator[Update]:
-    """The speculative run round by round and (compare) the baseline on the same prompt and seed, in turns: after
-    each speculative round the baseline steps until it has as many tokens, and runs to its end after the
-    speculative run's. Never both at once, so neither slows the other, and each run's time is its own (decode's
-    clock stops between rounds); in turns, the moments when the machine runs slower fall on both runs alike (one
-    after the other, a comparison's speedup spread twice as wide on a 2-core VM: BENCHMARKS.md). Where compiled
-    CUDA graphs hold a run's cache addresses, a turn would re-record them: there the baseline runs after.
+    """The speculative run round by round, then (compare) the baseline on the same prompt and seed.
+
+    The baseline runs after the speculative run, never beside it, so that neither slows the other.
     Inputs are validated before any model work (ValueError).
     """
     ids = encode_prompts(pair, [prompt], settings, chat_template, None if prompt_ids is None else [prompt_ids])
     clock, runs, stopped = _Clock(time_limit_s), [], ""
-    turns = compare and not (settings.compile and pair.device.type == "cuda")
-
-    def rounds(mode: str) -> Iterator[RoundDone]:
+    for mode in ("speculative", "baseline") if compare else ("speculative",):
+        if stopped:
+            break
         (run,) = new_runs(pair, [prompt], ids, settings, mode)
         runs.append(run)
         for ((_, event),) in decode(pair, ids, settings, mode, [run.meta]):
             run.events.append(event)
-            yield RoundDone(run, event)
-
-    def in_turns() -> Iterator[RoundDone]:
-        base = rounds("baseline") if compare else iter(())
-        for update in rounds("speculative"):
-            if compare and len(runs) == 1 and (turns or update.event.finish_reason):
-                update = replace(update, next_prefill="baseline")
-            yield update
-            if turns:
-                for step in base:  # until as many tokens (a break leaves the baseline where it is)
-                    yield step
-                    if step.event.tokens_so_far >= update.event.tokens_so_far:
-                        break
-        yield from base
-
-    for update in in_turns():
-        with clock.paused():
-            yield update
-        stopped = clock.out()
-        if stopped:
-            break
+            with clock.paused():
+                yield RoundDone(run, event)
+            stopped = clock.out()
+            if stopped:
+                break
     yield _finish(pair, runs, stopped, trace_dir)
 
 

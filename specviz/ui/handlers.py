@@ -96,14 +96,15 @@ def prefilling(mode: str, tokens: int) -> str:
     return f"{mode}: prefill ({tokens:,} prompt tokens)…"
 
 
-def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None):
+def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None,
+           baseline_next: bool = False):
     """The page every UPDATE_S at most, and at each run's last round, until the runs finish: every round shows,
     several at once when they come faster (drawn every round, a 64-token comparison that decodes in 1-2 s kept
     a 2-core CPU's browser busy for 18-21 CPU-seconds: `bench-page`, BENCHMARKS.md). The five charts under the
     streams are redrawn every CHARTS_S at most and at each run's last round: the browser lays out each of them
     anew at every redraw, on the CPU the decode runs on. `against`: for a run with the machine's choice, the
-    speedup it measured against the expected one (page.measured_against), said when the baseline has run. A
-    round after which a run's prefill comes (the baseline's, RoundDone.next_prefill) is drawn, saying so."""
+    speedup it measured against the expected one (page.measured_against), said when the baseline has run.
+    baseline_next: the baseline runs after the speculative run (its prefill is said when that one ends)."""
     drawn = charted = -math.inf  # the first round is drawn at once, charts included
     for update in updates:
         if isinstance(update, RoundDone):
@@ -113,13 +114,12 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
                 view.spec = update.run
             else:
                 view.base = update.run
-            if event.finish_reason or update.next_prefill or time.perf_counter() - drawn >= UPDATE_S:
+            if event.finish_reason or time.perf_counter() - drawn >= UPDATE_S:
                 drawn = time.perf_counter()
                 what = f"round {event.index + 1}, " if speculative else ""
-                then = f"; {prefilling(update.next_prefill, len(update.run.meta.prompt_ids))}" \
-                    if update.next_prefill else ""
-                tokens = f"{event.tokens_so_far} token{'s' * (event.tokens_so_far != 1)}"
-                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{tokens}{then}")
+                then = f"; {prefilling('baseline', len(update.run.meta.prompt_ids))}" \
+                    if speculative and event.finish_reason and baseline_next else ""
+                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens{then}")
                 with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
                 if with_charts:
                     charted = drawn
@@ -154,7 +154,8 @@ def run(page: Page, request=None):
     SERVED["runs"] += 1
     context = context_of(len(prompt_ids), settings.max_new_tokens)
     yield from follow(view, updates, draft_note(pair, settings),
-                      measured_against(page.preset, not settings.sampling.greedy, context, settings.max_new_tokens))
+                      measured_against(page.preset, not settings.sampling.greedy, context, settings.max_new_tokens),
+                      bool(page.compare))
 
 
 # --- step mode -----------------------------------------------------------------------------------
@@ -182,7 +183,8 @@ def step(page: Page, request=None, within_round: bool = False):
                 return
             first = next(updates)
             SERVED["runs"] += 1
-            stepper = Stepper(spec=first.run, updates=_chained(first, updates), note=draft_note(pair, settings))
+            stepper = Stepper(spec=first.run, updates=_chained(first, updates), note=draft_note(pair, settings),
+                              compare=bool(page.compare))
             stepping.keep(request, stepper)
     stepper.next_round()
     yield _stepper_outputs(stepper, page.show_rounds)
@@ -222,7 +224,7 @@ def continue_run(show_rounds, request: gr.Request = None):
         return
     view = View(spec=stepper.spec, base=stepper.base, show_rounds=bool(show_rounds))
     if stepper.updates is not None:  # Stop cancels between rounds and leaves the rest to step through
-        for outputs in follow(view, stepper.updates, stepper.note):
+        for outputs in follow(view, stepper.updates, stepper.note, baseline_next=stepper.compare):
             stepper.spec, stepper.base = view.spec, view.base
             yield outputs
         stepper.updates = None

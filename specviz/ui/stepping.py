@@ -32,6 +32,7 @@ class Stepper:
     stage: int = 0
     trace: str | None = None
     replay: bool = False  # a loaded trace: stepping past its end starts it again
+    compare: bool = False  # the baseline runs after the speculative run
 
     def more(self) -> bool:
         return self.shown < len(self.spec.events) or self.updates is not None
