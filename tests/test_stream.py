@@ -154,7 +154,7 @@ def test_the_page_is_drawn_at_most_every_update_s_and_at_each_runs_last_round(pa
 
     statuses, last = drawn(3600.0)
     first = last.spec.events[0].tokens_so_far
-    assert statuses[:3] == [f"speculative: round 1, {first} tokens",
+    assert statuses[:3] == [f"speculative: round 1, {first} token{'s' * (first != 1)}",
                             f"speculative: round {len(last.spec.events)}, 24 tokens", "baseline: 24 tokens"]
     assert len(statuses) == 4 and statuses[-1].startswith("done: 24 tokens. Speedup")
     every, _ = drawn(0.0)

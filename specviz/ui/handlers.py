@@ -119,7 +119,8 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
                 what = f"round {event.index + 1}, " if speculative else ""
                 then = f"; {prefilling('baseline', len(update.run.meta.prompt_ids))}" \
                     if speculative and event.finish_reason and baseline_next else ""
-                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{event.tokens_so_far} tokens{then}")
+                tokens = f"{event.tokens_so_far} token{'s' * (event.tokens_so_far != 1)}"
+                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{tokens}{then}")
                 with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
                 if with_charts:
                     charted = drawn
