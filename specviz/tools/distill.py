@@ -400,9 +400,9 @@ def training_dtype(device: torch.device, width: int, intermediate: int,
     computes bfloat16 natively; on a CPU, measured on a step of the head's MLP product (TRAINING_ROWS rows, forward
     and backward; the fastest of TRAINING_REPEATS in each precision, interleaved), once per machine: kept in the
     float32 kernel table's `calls`, so every later run here trains in the same precision (`specviz kernels
-    --retune --dtype float32` measures it again). Not the
-    inference choice (resolve_dtype's `auto`): without bf16 instructions our kernels make a bfloat16 decode step
-    the faster one, while ATen's bfloat16 training products there take many times float32's."""
+    --retune --dtype float32` measures it again). Not the inference choice (resolve_dtype's `auto`): without bf16
+    instructions our kernels make a bfloat16 decode step the faster one, while ATen's bfloat16 training products
+    there take many times float32's."""
     if device.type == "cuda":
         native = torch.cuda.is_bf16_supported(including_emulation=False)
         return (torch.bfloat16, "the GPU computes bfloat16 natively") if native else (
