@@ -9,6 +9,7 @@ from specviz.core.theory import cost_ratio, expected_tokens_per_round, speedup_b
 from specviz.view import charts
 from specviz.view.rendering import (
     batch_html,
+    count,
     diff_html,
     first_difference,
     run_text,
@@ -132,3 +133,9 @@ def test_theory():
     assert speedup_bound(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / 0.2 / 1.2)
     run = make_run()
     assert cost_ratio(run) == pytest.approx((8.0 / 4) / 10.0)  # 2 ms per drafted token over a 10 ms step
+
+
+def test_counts_read_as_english():
+    """A one-token run or first round says '1 token' (the page's status said '1 tokens')."""
+    assert [count(1), count(2), count(0), count(4096), count(1, "round")] == [
+        "1 token", "2 tokens", "0 tokens", "4,096 tokens", "1 round"]

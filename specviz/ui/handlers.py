@@ -18,6 +18,7 @@ from ..tools.stream import BatchRound, Finished, RoundDone, Update, stream, stre
 from ..view import charts
 from ..view.rendering import (
     batch_html,
+    count,
     error_html,
     exact_check_text,
     note_html,
@@ -119,8 +120,7 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
                 what = f"round {event.index + 1}, " if speculative else ""
                 then = f"; {prefilling('baseline', len(update.run.meta.prompt_ids))}" \
                     if speculative and event.finish_reason and baseline_next else ""
-                tokens = f"{event.tokens_so_far} token{'s' * (event.tokens_so_far != 1)}"
-                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{tokens}{then}")
+                view.status = note_html(f"{note}{update.run.meta.mode}: {what}{count(event.tokens_so_far)}{then}")
                 with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
                 if with_charts:
                     charted = drawn
@@ -129,7 +129,7 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
             stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
             view.spec, view.base = update.spec, update.base
             line = against(view.spec, view.base) if against and view.base and not update.stopped else ""
-            view.status = note_html(f"{note}done: {view.spec.n_tokens} tokens.{speedup_line(view.spec, view.base)}"
+            view.status = note_html(f"{note}done: {count(view.spec.n_tokens)}.{speedup_line(view.spec, view.base)}"
                                     f"{stopped}" + (f" This machine's choice: {line}." if line else ""))
             yield view.outputs(download=str(update.trace), race=race_html(view.spec, view.base) if view.base else "")
 
@@ -259,7 +259,7 @@ def check_float32(runs, preset, custom_target, custom_draft):
     shown = greedy_diff(spec, base)
     before = (f"In {spec.meta.dtype} (the runs above) they "
               + ("are identical." if shown is None else f"part at generated token {shown + 1}."))
-    after = (f"identical, token for token ({spec.n_tokens} tokens)" if at is None
+    after = (f"identical, token for token ({count(spec.n_tokens)})" if at is None
              else f"part at generated token {at + 1}")
     yield note_html(f"{before} Rerun just now in float32, same prompt ids and settings: speculative and "
                     f"baseline texts are {after}.")

@@ -11,7 +11,7 @@ import gradio as gr
 
 from ..core.events import Run
 from ..tools.stream import Finished, RoundDone, Update
-from ..view.rendering import note_html
+from ..view.rendering import count, note_html
 from ..view.stages import round_stages
 from .page import SERVED
 from .view import View
@@ -66,7 +66,7 @@ class Stepper:
                                     "next round, Continue to run to the end; Run starts afresh with the page's "
                                     "settings.")
         else:
-            view.status = note_html(f"{self.note}Stepped to the end: {spec.n_tokens} tokens. Step starts again.")
+            view.status = note_html(f"{self.note}Stepped to the end: {count(spec.n_tokens)}. Step starts again.")
         return view
 
     def close(self) -> None:

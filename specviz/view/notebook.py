@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..core.events import Run, register_html
 from .charts import PlotlySpec, tokens_per_round
-from .rendering import CSS, batch_html, diff_html, stats_html, stream_html
+from .rendering import CSS, batch_html, count, diff_html, stats_html, stream_html
 
 
 def _chart(spec: PlotlySpec, plotlyjs: bool | str) -> str:
@@ -25,7 +25,7 @@ def _page(*parts: str) -> str:
 
 def run_html(run: Run, plotlyjs: bool | str = "cdn") -> str:
     """One run: its header line, the coloured stream, the stats and the per-round chart."""
-    head = f"<b>{run.meta.mode}</b>: {run.n_tokens} tokens, {run.meta.target}"
+    head = f"<b>{run.meta.mode}</b>: {count(run.n_tokens)}, {run.meta.target}"
     parts = [f"<div>{head}</div>", stream_html(run), stats_html(run if run.meta.mode == "speculative" else None)]
     if run.meta.mode == "speculative":
         parts.append(_chart(tokens_per_round(run), plotlyjs))

@@ -35,19 +35,24 @@ def round_text(event: RoundEvent, colour: bool) -> str:
     return "".join(parts)
 
 
+def count(n: int, noun: str = "token") -> str:
+    """'1 token', '2 tokens': a count with its noun."""
+    return f"{n:,} {noun}{'s' * (n != 1)}"
+
+
 def run_text(run: Run, colour: bool) -> str:
     return "".join(round_text(e, colour) for e in run.events)
 
 
 def summary(run: Run) -> str:
-    lines = [f"{run.meta.mode}: {run.n_tokens} tokens in {run.decode_ms / 1000:.2f} s, {run.tokens_per_s:.1f} tokens/s"]
+    lines = [f"{run.meta.mode}: {count(run.n_tokens)} in {run.decode_ms / 1000:.2f} s, {run.tokens_per_s:.1f} tokens/s"]
     if run.meta.mode == "speculative":
         alpha = run.acceptance_rate
         lines.append(
             f"  acceptance rate {'n/a' if alpha is None else f'{alpha:.1%}'} "
             f"({run.n_accepted} accepted, {run.n_rejected} rejected"
             f"{f', {run.n_untested} never tested' if run.n_untested else ''} of {run.n_drafted} drafted), "
-            f"{run.tokens_per_round:.2f} tokens per round over {len(run.events)} rounds ({gamma_label(run)})"
+            f"{run.tokens_per_round:.2f} tokens per round over {count(len(run.events), 'round')} ({gamma_label(run)})"
             + (f", {run.copied_rounds} of them drafted by prompt lookup" if run.copied_rounds else "")
         )
     draft = sum(e.draft_ms for e in run.events)
@@ -302,7 +307,7 @@ def batch_html(runs: list[Run]) -> str:
         state = f", {run.finish_reason}" if run.finish_reason else ""
         head = (f"<b>[{i + 1}]</b> {html.escape(run.meta.prompt[:80])}{'…' if len(run.meta.prompt) > 80 else ''}"
                 f" · α̂ {'–' if alpha is None else f'{alpha:.0%}'} · {run.tokens_per_round:.2f} tokens/round · "
-                f"{run.n_tokens} tokens{state} · {html.escape(gamma_label(run))}"
+                f"{count(run.n_tokens)}{state} · {html.escape(gamma_label(run))}"
                 + (f" · {run.copied_rounds} of {len(run.events)} rounds copied by prompt lookup" if run.copied_rounds
                    else ""))
         blocks.append(f'<div class="sv-batch-row"><div class="sv-batch-head">{head}</div>{stream_html(run)}</div>')
