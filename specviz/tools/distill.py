@@ -381,7 +381,7 @@ def fit(params: list[torch.nn.Parameter], cfg: DistillConfig, batch_loss: Callab
 
 TRAINING_REPEATS = 3  # training_dtype: timed steps per precision, interleaved, after one each to warm up
 # training_dtype: the rows of the timed step. A batch trains thousands of rows; at 64 rows CPU C's bf16 (AMX) step
-# measured 0.8-1.0 of float32's, at 256 to 2048 rows 0.52-0.63 (BENCHMARKS.md)
+# costs about float32's, so one timing there flipped between runs; from 256 rows bf16 is clearly faster (BENCHMARKS.md)
 TRAINING_ROWS = 512
 
 
