@@ -114,7 +114,8 @@ def test_a_stopped_bench_keeps_the_prompts_it_finished(pattern_pair, tmp_path, m
     monkeypatch.setattr(bench, "bench_pair", two_then_stop)
     (tmp_path / "speedup.html").write_text("an earlier run's chart")
     argv = ["bench", "--drafters", "model", "--gammas", "2", "--temperatures", "0", "--policies", "", "--batch", "0",
-            "--step-caches", "", "--no-hf", "--max-new-tokens", "6", "--repeats", "1", "--out", str(tmp_path)]
+            "--step-caches", "", "--no-hf", "--max-new-tokens", "6", "--repeats", "1", "--no-choice",
+            "--out", str(tmp_path)]
     assert cli.main(argv) == 130
     n = sum(map(len, BENCHMARK_PROMPTS.values()))  # the command's own prompts, in its count
     data = json.loads((tmp_path / "results.json").read_text())
@@ -130,3 +131,32 @@ def test_a_stopped_bench_keeps_the_prompts_it_finished(pattern_pair, tmp_path, m
     assert len(data["rows"]) == 3 and "stopped" not in data
     assert "Not finished" not in (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup.html").exists()
+
+
+def test_saved_results_are_named_by_machine_class_and_render_into_the_report(pattern_pair, tmp_path, monkeypatch):
+    """bench --save keeps results.json as <dir>/<machine class>.json, with what the report states beside its table:
+    the machine, its class, the commit, the date and the run's settings; --report renders it (measuring nothing)."""
+    from specviz.models import kernels
+    from specviz.tools import bench, report
+
+    prompts = {"count": ["w1 w2 w3", "w4 w5 w6"]}
+    monkeypatch.setattr(cli, "load_pair", lambda **kwargs: pattern_pair("llama"))
+    real = bench.bench_pair
+    monkeypatch.setattr(bench, "bench_pair", lambda pair, _p, *args, **kwargs: real(pair, prompts, *args, **kwargs))
+    argv = ["bench", "--drafters", "model", "--gammas", "2", "--temperatures", "0", "--policies", "", "--batch", "0",
+            "--step-caches", "", "--no-hf", "--max-new-tokens", "6", "--repeats", "1", "--no-choice",
+            "--out", str(tmp_path / "out"), "--save", str(tmp_path / "benchmarks")]
+    assert cli.main(argv) == 0
+    name = "cpu-" + kernels.cpu_class().lower().replace(" (capped)", "-capped")
+    data = json.loads((tmp_path / "benchmarks" / f"{name}.json").read_text())
+    env = data["environment"]
+    assert env["class"] == kernels.cpu_class() and env["commit"] and env["date"].startswith("20")
+    assert data["run"]["max_new_tokens"] == 6 and data["run"]["repeats"] == 1 and len(data["rows"]) == 2
+
+    (tmp_path / "README.md").write_text(f"intro\n{report.README_START}\nold\n{report.README_END}\nrest\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--report"]) == 0
+    md = (tmp_path / "BENCHMARKS.md").read_text()
+    assert f"## {report._title(name)}" in md and "| model, γ = 2 |" in md and "| specviz plain |" in md
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("intro\n") and readme.endswith("rest\n") and "old" not in readme

@@ -580,18 +580,39 @@ def environment(pair: ModelPair, others: float | None = None) -> dict:
     if pair.head is not None:
         env["head"] = pair.head_name
     if pair.device.type == "cpu":
-        env["cpu"] = kernels.describe_machine()
+        env["cpu"], env["class"] = kernels.describe_machine(), kernels.cpu_class()
+    elif pair.device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(pair.device)
         chosen = kernels.summary(pair.dtype)
         env["kernels"], env["drafting_kernels"] = chosen["choice"], chosen["drafting"]
     if others is not None:
         env["taken by other processes"] = f"{others:.0%} of the CPU time specviz needed"
+    env["commit"], env["date"] = _commit(), time.strftime("%Y-%m-%d", time.gmtime())
     return env
 
 
+def _commit() -> str:
+    """The checkout's short commit (with '+changes' when files differ from it), or 'unknown' outside git."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
-                  batch_rows: list[BatchRow] = (), steps: list[StepRow] = (), stopped: str = "") -> dict[str, str]:
+                  batch_rows: list[BatchRow] = (), steps: list[StepRow] = (), stopped: str = "",
+                  run: dict | None = None) -> dict[str, str]:
     """results.json, results.md and speedup.html (+ speedup.png when chromium and playwright are here). stopped:
-    what a run still going has done (results.json and results.md only, each saying so)."""
+    what a run still going has done (results.json and results.md only, each saying so); run: the settings every
+    row shares (tokens, repeats, seeds), for the report."""
     import json
     from dataclasses import asdict
     from pathlib import Path
@@ -600,7 +621,7 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "html": out / "speedup.html"}
     partial = {"stopped": stopped} if stopped else {}
-    paths["json"].write_text(json.dumps({"environment": env, "command": command, **partial,
+    paths["json"].write_text(json.dumps({"environment": env, "command": command, "run": run or {}, **partial,
                                          "rows": [asdict(r) for r in rows], "batch": [asdict(b) for b in batch_rows],
                                          "steps": [asdict(r) for r in steps]},
                                         indent=2), encoding="utf-8")

@@ -28,6 +28,7 @@ from ..core.generator import (
     generate,
     machine_name,
     parse_trees,
+    tree_label,
     validate_prompt,
     with_texts,
 )
@@ -597,6 +598,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), or a torch device")
     b.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     b.add_argument("--retune", action="store_true", help="measure this CPU's kernels again (kept in the cache)")
+    b.add_argument("--save", metavar="DIR", help="also keep the results as DIR/<machine class>.json (e.g. "
+                   "benchmarks/cpu-avx2.json), the per-machine file `--report` renders")
+    b.add_argument("--no-choice", action="store_true", help="do not add this machine's first-run choice (measured "
+                   "on a first run, like the app's) to the settings timed")
+    b.add_argument("--report", action="store_true", help="measure nothing: render BENCHMARKS.md and the README's "
+                   "speed tables from benchmarks/*.json (run in the repository's root)")
 
 
 def _csv(text: str, kind=str, option: str = "") -> list:
@@ -610,6 +617,18 @@ def _csv(text: str, kind=str, option: str = "") -> list:
 def _at_least(option: str, value: int, low: int) -> None:
     if value < low:
         raise ValueError(f"{option} must be at least {low}, got {value}")
+
+
+def _first_run_choice(pair, preset: str):
+    """The drafter and chain or tree a greedy first run takes on this machine (None where the preset measured no
+    tokens a round), so a bench times what a user gets by default."""
+    from . import costs as machine_costs
+
+    taus = PRESETS[preset].taus() if PRESETS[preset].tokens_per_round else {}
+    if pair.head is None:
+        taus = {d: t for d, t in taus.items() if d not in HEAD_DRAFTERS}
+    choice, _ = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True))
+    return choice
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -629,6 +648,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     from .prompts import BENCHMARK_PROMPTS
 
+    if args.report:
+        from . import report
+
+        print("wrote " + ", ".join(map(str, report.write())))
+        return 0
     prompts = BENCHMARK_PROMPTS
     gammas, lookup_gammas, eagle_gammas = (_csv(args.gammas, int, "--gammas"), _csv(args.lookup_gammas, int,
                                            "--lookup-gammas"), _csv(args.eagle_gammas, int, "--eagle-gammas"))
@@ -664,7 +688,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if pair.head is None and set(drafters) & set(HEAD_DRAFTERS):
         print("no EAGLE head for this pair: the drafters that need one are skipped", file=sys.stderr)
         drafters = [d for d in drafters if d not in HEAD_DRAFTERS]
+    choice = None if args.quick or args.no_choice else _first_run_choice(pair, args.preset)
+    if choice is not None:  # what a user gets by default runs beside the settings asked for
+        if choice.drafter not in drafters:
+            drafters.append(choice.drafter)
+        if choice.branch > 1 and choice.shape not in trees:
+            trees.append(choice.shape)
+        sweep = lookup_gammas if choice.drafter == "lookup" else gammas if choice.drafter == "model" else eagle_gammas
+        if choice.branch == 1 and choice.gamma not in sweep:
+            sweep.append(choice.gamma)
     command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
+    run = {"max_new_tokens": max_new, "repeats": repeats, "seeds": args.seeds, "temperatures": temperatures,
+           "record_top": args.record_top, "cache": args.cache, "compiled": args.compile}
+
+    def env(busy: float | None) -> dict:
+        out = environment(pair, busy)
+        if choice is not None:
+            out["first_run_choice"] = {"drafter": choice.drafter, "gamma": choice.gamma, "expected": choice.expected,
+                                       "tree": tree_label(*choice.shape) if choice.branch > 1 else ""}
+        return out
+
     taken = others_meter()  # what other processes take of the CPU time the run needs, in its record
     steps = []
     if step_caches:
@@ -680,8 +723,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         nonlocal prompts_kept
         prompts_kept = done
         if done < n_prompts:
-            write_results(rows_so_far, environment(pair, taken()), args.out, command, steps=steps,
-                          stopped=f"{done} of {n_prompts} prompts")
+            write_results(rows_so_far, env(taken()), args.out, command, steps=steps,
+                          stopped=f"{done} of {n_prompts} prompts", run=run)
 
     try:
         rows = bench_pair(pair, prompts, gammas, temperatures, max_new, repeats, with_hf=not args.no_hf,
@@ -693,7 +736,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if prompts_kept:
             print(f"the rows of the {prompts_kept} of {n_prompts} prompts done are in {args.out}", file=sys.stderr)
         raise
-    write_results(rows, environment(pair, taken()), args.out, command, steps=steps)  # kept if the batch part fails
+    write_results(rows, env(taken()), args.out, command, steps=steps, run=run)  # kept if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...
         columns = [texts for texts in BENCHMARK_PROMPTS.values()]
@@ -703,7 +746,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                           repeats, args.cache, args.compile))
             print(f"batch of {batch}, {drafter}: {batch_rows[-1].ratio:.2f}x one after another", file=sys.stderr)
     busy = taken()
-    paths = write_results(rows, environment(pair, busy), args.out, command, batch_rows, steps)
+    paths = write_results(rows, env(busy), args.out, command, batch_rows, steps, run=run)
+    if args.save:
+        from . import report
+
+        kept = Path(args.save) / report.machine_file(env(busy), args.dtype)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(Path(paths["json"]).read_text(encoding="utf-8"), encoding="utf-8")
+        paths["saved"] = str(kept)
     if busy is not None and busy > BUSY:
         print(f"{took(busy)} during this run: its times are slower than this machine's, and its ratios noisier",
               file=sys.stderr)
