@@ -134,8 +134,9 @@ def test_lookup_then_eagle_copies_where_the_answer_repeats_the_prompt(app_url):
 
 def test_the_status_says_what_a_run_waits_for(monkeypatch):
     """Before the first round shows, the status says what the wait is: "loading models…" only while the pair
-    loads, then the speculative run's prefill with the prompt's length (seconds for a long prompt on a CPU, which
-    read "loading models…" before), and at its last round the baseline's prefill, which follows; a batch's too."""
+    loads, then the speculative run's prefill with the prompt's length (seconds for a long prompt on a CPU, a wait
+    that must not read "loading models…"), and at its last round the baseline's prefill, which follows; a batch's
+    too."""
     from specviz.ui import handlers
     from specviz.ui import page as ui_page
 
@@ -203,9 +204,9 @@ def test_a_chain_drafter_picked_turns_a_tree_into_a_chain():
 
 
 def test_the_app_leaves_a_core_to_a_browser_on_this_machine(monkeypatch):
-    """A browser drawing the page beside a decode on every core stalls the decode's threads (a tenth of the
-    speed on CPU A's 2 cores: BENCHMARKS.md, "The page as a person sees it"): the app decodes on one core
-    fewer, on all in public mode or a Space (browsers elsewhere), on as many as SPECVIZ_THREADS says."""
+    """A browser drawing the page beside a decode on every core stalls the decode's threads (on a 2-core CPU the
+    decode then runs far slower than on one core): the app decodes on one core fewer, on all in public mode or a
+    Space (browsers elsewhere), on as many as SPECVIZ_THREADS says."""
     import torch
 
     from specviz.ui import page
@@ -237,7 +238,7 @@ def test_the_app_leaves_a_core_to_a_browser_on_this_machine(monkeypatch):
 
 def test_a_bad_app_setting_stops_the_app_with_one_line_not_a_traceback():
     """The app's numeric environment settings are read when the page module loads: a value that is not a number of
-    the right kind stops it with one line naming the variable and the value (it raised Python's ValueError from
+    the right kind stops it with one line naming the variable and the value (not Python's ValueError from
     float() with a traceback); good values and empty ones load."""
     def load(**env):
         return subprocess.run([sys.executable, "-c", "import specviz.ui.page as p; print(p.UPDATE_S, p.CHARTS_S)"],

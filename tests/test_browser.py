@@ -371,8 +371,8 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         page.locator("#stop-btn").click()
         page.evaluate(STOP_TIMER)
         # the chunk under way may still report, and Gradio clears its progress: wait until 6 s pass without an
-        # update (a batch aims at lossless.CHUNK_S, about 1 s, but took over 3 s while the other test worker
-        # measured kernels), at most 40 s
+        # update (a batch aims at lossless.CHUNK_S, about 1 s, but can take several times that while the other
+        # test worker measures kernels), at most 40 s
         settled, quiet = 0, 0
         for _ in range(80):
             page.wait_for_timeout(500)
@@ -408,7 +408,8 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
 
 
 def test_cpu_seconds_between_readings_never_count_a_process_that_ended():
-    """A browser process that exits between two readings once made the browser's share negative."""
+    """A browser process that exits between two readings is left out: read as zero seconds at the second, it
+    would make the browser's share negative."""
     from specviz.tools.pagebench import spent
 
     before = {10: ("app", 5.0), 20: ("browser", 3.0), 30: ("browser", 9.0)}

@@ -104,8 +104,8 @@ def test_distill_a_tiny_target(pattern_dirs, tmp_path, capsys):
 def test_training_autocasts_only_where_a_measured_training_step_is_faster(fresh_tables, monkeypatch):
     """On a CPU the head trains in bf16 autocast only where a timed training step is clearly faster in it; the
     two precisions are timed interleaved, the warm-up dropped, and the answer kept per machine, so a second run
-    (a second start too) trains in the precision of the first (on CPU C a 64-row timing taken anew each run
-    flipped between runs)."""
+    (a second start too) trains in the precision of the first (where the two precisions cost about the same, a
+    timing taken anew each run could flip between runs)."""
     cpu = torch.device("cpu")
     calls = []
 
@@ -133,7 +133,7 @@ def test_training_autocasts_only_where_a_measured_training_step_is_faster(fresh_
     calls.clear()
     assert training_dtype(cpu, 8, 32, step_ms=timed(10.0, 9.5))[0] == torch.float32  # not clearly faster
     # not the decode step's choice: on a CPU without bf16 instructions our kernels make bf16 decoding the
-    # faster, and ATen's bf16 training the far slower (BENCHMARKS.md); a real measurement, whatever it picks
+    # faster, and ATen's bf16 training the far slower; a real measurement, whatever it picks
     monkeypatch.setattr(kernels, "compare_dtypes", lambda *a, **k: pytest.fail("asked the decode step's table"))
     dtype, why = training_dtype(cpu, 32, 64)
     assert "32x64 training product" in why and dtype in (torch.float32, torch.bfloat16)

@@ -361,10 +361,10 @@ def test_cli_distill_eagle_then_generate(pattern_dirs, eagle_dirs, tmp_path, cap
 
 def test_the_heads_prompt_entries_are_written_with_the_prefill(eagle_pair, monkeypatch):
     """EagleDrafter.start writes the prompt's entries, so the head's own prefill is timed with the target's (a
-    long prompt's was the first round's drafting, which the page and the cost notes read), with logits for the
-    last entry alone (a 1,769-token prompt's were 0.13 of its 0.32 s): every round then feeds the head only the
-    last verification's features and its drafts, the first round its drafts alone; the run still decodes the
-    baseline's tokens."""
+    long prompt's would otherwise be the first round's drafting, which the page and the cost notes read), with
+    logits for the last entry alone (a long prompt's logits at every entry cost a good part of its prefill): every
+    round then feeds the head only the last verification's features and its drafts, the first round its drafts
+    alone; the run still decodes the baseline's tokens."""
     from specviz.core import drafters
 
     pair = eagle_pair("llama")

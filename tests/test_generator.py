@@ -130,7 +130,7 @@ def test_token_texts_are_decoded_once_per_tokenizer_across_runs(random_pair, mon
     monkeypatch.setattr(random_pair.tokenizer, "decode", lambda ids, **kw: decoded.append(ids) or real(ids, **kw))
     again = generate(random_pair, "", settings, prompt_ids=words(3, 4))
     assert again.events[0].drafted[0].top  # candidates recorded, their texts from the first run's decodes
-    assert [ids for ids in decoded if len(ids) == 1] == []  # (the run's whole text is decoded once, as before)
+    assert [ids for ids in decoded if len(ids) == 1] == []  # (only the run's whole text, in one call)
     texts = TokenTexts.of(random_pair.tokenizer)
     assert texts is TokenTexts.of(random_pair.tokenizer) and texts(5) == real([5])
 

@@ -98,7 +98,7 @@ def test_a_second_process_waits_for_the_first_and_reads_its_table(fresh_tables):
 
 def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tables, monkeypatch):
     """Other programs slow a two-thread path more than a one-thread one, so a table timed beside them picks
-    wrong paths (9 of 84 choices of the offline pair in bfloat16 under a one-core hog, CPU A): a shape is timed
+    wrong paths (several of the offline pair's choices in bfloat16 under a one-core hog): a shape is timed
     again while the meter reads above BUSY (the quietest of ATTEMPTS kept), and one still timed busy is marked
     in the table and timed again by the next process."""
     from specviz.models import contention
@@ -145,7 +145,7 @@ def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tab
 def test_a_table_kept_unmetered_is_timed_again_by_a_start_that_meters(fresh_tables, monkeypatch):
     """The test suite keeps timings as they come (SPECVIZ_IGNORE_LOAD) on a machine it loads by design: such a
     table serves processes that do not meter either, and a start that does times it again, once, saying why.
-    (A suite run with the user's cache folder had left an app on CPU B choosing from a table of that kind.)"""
+    (Else a suite run with the user's cache folder would leave an app choosing from a table of that kind.)"""
     from specviz.models import contention
 
     timings = []
@@ -196,7 +196,7 @@ def test_a_bfloat16_weight_keeps_one_family_of_bits_at_every_row_count():
     """A bf16 product takes the family of row-invariant kernels fastest over all timed row counts, even at a row
     count where another path is faster alone, so a verify's rows round as the one-token steps do; with no family
     at every row count, and in float32, the fastest path of each."""
-    times = {"1": {"linear": 0.20, "avx512-dot": 0.091, "amx": 0.092, "avx512": 0.12},  # CPU C's qkv at one row
+    times = {"1": {"linear": 0.20, "avx512-dot": 0.091, "amx": 0.092, "avx512": 0.12},  # an AMX CPU's qkv at one row
              "4": {"linear": 0.30, "avx512-dot": 0.125, "amx": 0.081, "avx512": 0.128},
              "16": {"linear": 0.25, "onednn16": 0.22, "avx512-dot": 0.255, "amx": 0.123}}
     t = kernels.KernelTable({}, "bfloat16", {"960x576": times})
@@ -340,7 +340,7 @@ def test_auto_dtype_comes_from_the_measurement(fresh_tables):
 def test_a_model_on_transformers_forward_is_timed_as_it_runs(pattern_dirs, fresh_tables, monkeypatch):
     """`auto` on a CPU for a model that runs transformers' forward (not the lean one): its forward is timed in both
     dtypes (a one-layer model of its config, once per machine), not specviz's kernels, which it never takes: on an
-    AVX2 CPU GPT-2's decoding ran 5.6-5.7x slower in bfloat16, GPT-NeoX's 1.8x faster (BENCHMARKS.md). The
+    AVX2 CPU GPT-2's decoding runs several times slower in bfloat16, GPT-NeoX's faster. The
     timings are kept; the model is priced as layers x (forward - head) + head; a Llama-family model still asks the
     kernel table."""
     from transformers import AutoConfig

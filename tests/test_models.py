@@ -25,7 +25,7 @@ def test_loaded_pair_has_requested_dtype_and_eos(pattern_pair):
 def test_presets_cover_the_brief():
     assert PRESETS["offline"].offline and PRESETS["offline"].target == OFFLINE_TARGET
     assert PRESETS["offline"].draft == OFFLINE_DRAFT and (SHIPPED_DRAFT / "model.safetensors").exists()
-    assert (SHIPPED_DRAFT / "model.safetensors").stat().st_size <= 25_000_000  # the cap
+    assert (SHIPPED_DRAFT / "model.safetensors").stat().st_size <= 25_000_000  # small enough to ship in the repository
     pairs = {(p.target, p.draft) for p in PRESETS.values()}
     assert ("facebook/opt-350m", "facebook/opt-125m") in pairs
     assert ("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B") in pairs

@@ -70,10 +70,10 @@ def test_offline_batch_rows_equal_single_runs(offline_fp32, drafter):
 
 
 def test_the_check_holds_on_the_offline_pair_with_every_drafter(offline_fp32):
-    """`specviz check`'s static-cache cases in float32 on the shipped models. The sampled ones with the head
-    found its batch rows drafting through int8 products and the same prompts alone through bfloat16 weights
-    (q 17 % apart); a row's numbers must now agree within rounding alone and in a batch ('differs' allows a
-    draw near a boundary to part the texts on another CPU's kernels)."""
+    """`specviz check`'s static-cache cases in float32 on the shipped models. A row's numbers must agree within
+    rounding alone and in a batch, which batch rows drafting through int8 products beside the same prompts alone
+    through bfloat16 weights would not (q far apart); 'differs' allows a draw near a boundary to part the texts on
+    another CPU's kernels."""
     from specviz.tools.check import check, report_line
 
     outcomes = list(check(offline_fp32, compiled=False, max_new_tokens=12, only=lambda c: c.cache == "static"))

@@ -136,6 +136,6 @@ def test_theory():
 
 
 def test_counts_read_as_english():
-    """A one-token run or first round says '1 token' (the page's status said '1 tokens')."""
+    """A one-token run or first round says '1 token', not '1 tokens'."""
     assert [count(1), count(2), count(0), count(4096), count(1, "round")] == [
         "1 token", "2 tokens", "0 tokens", "4,096 tokens", "1 round"]

@@ -1,4 +1,4 @@
-"""Token trees (issue M): the tree rule against closed forms and against draws (and a broken residual
+"""Token trees: the tree rule against closed forms and against draws (and a broken residual
 caught by both), tree attention in every cache kind against fresh forwards, the kept path moved to
 consecutive slots, the EAGLE head's tree, a copied branch grafted on, and greedy trees equal to the
 baseline token for token."""
@@ -328,8 +328,8 @@ def test_sampled_trees_follow_the_target(random_pair, drafter, nodes, prompt):
     each), every node kept or a budget of 2 (the rest dropped), or 3 with prompt lookup's copied branch
     grafted on: 20 000 runs, the first two tokens follow the target's exact law (total variation < 0.03,
     noise alone about 0.015).
-    Dropping drawn nodes by their own value (keeping the likeliest, as before 2026-11-25) missed by 0.054
-    at the budget of 2: what is kept is then no draw from q."""
+    Dropping drawn nodes by their own value (keeping the likeliest) misses by far more at the budget of 2:
+    what is kept is then no draw from q."""
     pair = random_head_pair(random_pair)
     params = SamplingParams(0.9, top_k=7, top_p=0.95)
     prompt = words(*prompt)

@@ -341,8 +341,8 @@ class EagleDrafter:
         beam_ids = torch.full((rows, 1), -1, dtype=torch.long, device=device)  # node index of each fed node
         logits = at_least_float32(logits)[:, None]  # [B, f, N]: the fed nodes' (first, the root's)
         for level in range(1, depth + 1):
-            # children per fed node: k, or when sampling one below the first level (a draw's siblings add
-            # less than its depth: BENCHMARKS.md, "Token trees")
+            # children per fed node: k, or when sampling one below the first level (there a drawn sibling keeps
+            # fewer tokens than a drawn child one level deeper)
             kk = 1 if sampled and level > 1 else k
             if sampled:  # per row still drafting, in row order (seeded runs repeat), kk draws per fed node
                 q = logits_to_probs(logits, params)  # [B, f, N] on the reduced vocabulary
@@ -393,7 +393,7 @@ class EagleDrafter:
         depth = [level + 1 for level, t in enumerate(tokens) for _ in range(t.shape[1])]  # [M]
         tokens = torch.cat(tokens, 1)  # [B, M]
         node_q = torch.cat(node_q, 1) if node_q is not None else None  # [B, M, N]
-        tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events as before
+        tree = self.branch > 1  # a chain stays a chain (no parents): its verify is causal, its events a chain's
         if tree:  # [B, M] each: the nodes' parents (node indices, -1 the root) and log scores, left on the device
             parents, scores = torch.cat(parents, 1), torch.cat(scores, 1)
         device, out = tokens.device, []

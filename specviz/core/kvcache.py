@@ -16,7 +16,7 @@ Three kinds of storage behind the same slots (`CACHE_KINDS`):
 - "none": no cache: every forward recomputes the whole sequence (what a KV cache buys).
 For Llama-family models all three run specviz's lean forward (leanllama.py), so they differ in the
 cache alone (transformers' bfloat16 forward is several times slower on a CPU without bf16
-instructions: README, "Speed").
+instructions).
 """
 
 from __future__ import annotations

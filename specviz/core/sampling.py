@@ -107,7 +107,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None, one_uniform: 
     only one of them), the token whose interval of the cumulative sum holds u · total.
     The sum runs in float64 (float32 where the device lacks it), so each interval is its probability
     to rounding; a token of probability 0 has an empty interval and is never drawn. The same law as
-    torch.multinomial, at about a tenth of its time for a 49,152-token vocabulary (one AVX2 CPU)."""
+    torch.multinomial, measured far faster for a 49,152-token vocabulary on an AVX2 CPU."""
     flat = probs.reshape(-1, probs.shape[-1])
     wide = wide_dtype(probs.device)
     cdf = flat.to(wide).cumsum(-1)  # [R, V]

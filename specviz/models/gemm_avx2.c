@@ -4,10 +4,10 @@
    while up to 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16 ymm registers)
    pass over it; the first pass also prefetches the next block (the hardware prefetcher alone left memory
    idle while a pass computed) into L2, not L1: a float32 block of 576 k is 36 KB, so with the next one
-   beside it in a 32 KB L1 each evicted the other: a 6-row forward's products cost 1.2-1.4x one row's, into
-   L2 0.94-1.04x (CPU A, BENCHMARKS.md, "eighth session"). One row prefetches too: a one-row pass is two FMA
-   chains, the slowest to compute, and without the hint a bfloat16 output head of one row took 1.2x two rows'
-   time on CPU B (AVX2; BENCHMARKS.md, "one row prefetches").
+   beside it in a 32 KB L1 each evicted the other, and a 6-row forward's products cost clearly more than one
+   row's; into L2 about the same. One row prefetches too: a one-row pass is two FMA chains, the slowest to
+   compute, and without the hint a bfloat16 output head of one row measured slower than two rows on an AVX2
+   CPU.
    Weights are float32 (specviz_gemm) or bfloat16 (specviz_gemm_bf16: half the bytes to stream, each
    widened to float32 in registers, exactly; x, the sums and y stay float32; a block's columns in the order
    load16 widens them).
@@ -23,7 +23,7 @@
 #define INLINE static inline __attribute__((always_inline))
 
 /* 16 sums (+ b) into y[n0..], the columns below n, in vectors (masked in a last block that n cuts): a scalar
-   loop here was vectorized by gcc -O3 at each of its hundreds of inlined sites, 9/10 of the file's compile time. */
+   loop here was vectorized by gcc -O3 at each of its hundreds of inlined sites, most of the file's compile time. */
 INLINE void store_row(__m256 lo, __m256 hi, const float *b, float *y, int n, int n0)
 {
     int cols = n - n0 < 16 ? n - n0 : 16;
@@ -52,12 +52,11 @@ INLINE void store_row(__m256 lo, __m256 hi, const float *b, float *y, int n, int
    8-11, 4-7, 12-15, so that VPUNPCKLWD / VPUNPCKHWD with zeros, which put the low / high four words of each
    128-bit lane into the top halves of float32s, widen them as columns 0-7 and 8-15: one instruction for 8
    weights. Widening in column order instead (zero-extend across the lanes, then shift: 5 instructions for 16)
-   made a pass of 2-6 rows wait on those instructions, not on the FMAs: a bfloat16 forward of 5 tokens took 1.49
-   one-token steps, now 1.19-1.29 (CPU B, BENCHMARKS.md, "bfloat16 widened by unpacking"). A one-row pass waits
-   on memory, and there the zero-extension timed a little faster (a one-token forward, CPU B), so one row keeps
-   it: its sums come out as columns 0-3, 8-11 | 4-7, 12-15 and are put back in order once, before the store
-   (`in_order`). Either way a weight is the same float32, so a row's chain of FMAs is the same at every row
-   count. */
+   made a pass of 2-6 rows wait on those instructions, not on the FMAs: a few-token bfloat16 forward cost
+   clearly more one-token steps that way. A one-row pass waits on memory, and there the zero-extension timed a
+   little faster (a one-token forward on an AVX2 CPU), so one row keeps it: its sums come out as columns 0-3,
+   8-11 | 4-7, 12-15 and are put back in order once, before the store (`in_order`). Either way a weight is the
+   same float32, so a row's chain of FMAs is the same at every row count. */
 INLINE void load16(const void *wb, int bf16, int rows, int k, __m256 *w0, __m256 *w1)
 {
     if (bf16 && rows > 1) {
@@ -334,8 +333,8 @@ void specviz_gemm_pairs(const void *x, const void *w, const float *bias, void *y
    Each output is the instruction's own chain over k, whatever the rows beside it (its own bits: "amx").
    The weights are packed with k zero-padded to a step of 32 (the A tile's width; kernels.py), and rows whose k
    is not a multiple of 32 are copied, zero-padded, first; rows above 16 go in blocks of 16. Each step prefetches
-   the weights AMX_AHEAD steps on into L2 (tile loads left memory idle: without it the one-row output head took
-   1.12x the pair kernel's time on the AMX CPU of BENCHMARKS.md, with 2 steps 0.69-0.93x; 1 and 4 within noise).
+   the weights AMX_AHEAD steps on into L2 (tile loads left memory idle: without it the one-row output head
+   measured slower than the pair kernel on an AMX CPU, with 2 steps faster; 1 and 4 no better than 2).
    Linux lends a process the tile registers only when asked (specviz_amx_ready), and each thread loads its tile
    configuration before using them and releases them after. */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
@@ -502,8 +501,8 @@ INLINE __m256 widen8_bits(__m128i h) /* eight bfloat16 numbers held in a registe
 
 /* The sum of squares in eight lanes (each lane its own chain of fused multiply-adds, then sum8), a row's
    numbers never depending on the rows beside it; the rest eight at a time with to_bf16's roundings, so the same
-   bits as the scalar tail. A scalar running sum (this function until 2026-11-30) was a chain of n dependent adds:
-   1.5 us a row of 576 on CPU C (timed by hand). */
+   bits as the scalar tail. A scalar running sum would be a chain of n dependent adds, each waiting on the one
+   before: slow, for a small row's work. */
 void specviz_rms_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps, int share)
 {
 #pragma omp parallel for schedule(static) if (SHARED(rows))
@@ -943,7 +942,7 @@ typedef void (*product_fn)(const void *x, const void *w, const float *b, void *y
 
 /* A bfloat16 model's product on the FMA kernels (paths "avx2" and "avx512", CPUs with no bf16 instructions): x
    widened to float32 (exact), the kernel on the packed bfloat16 weights, each sum (+ bias) rounded to bfloat16,
-   which is what kernels._native does around specviz_gemm_bf16 op by op: the same bits, now inside one call. */
+   which is what kernels._native does around specviz_gemm_bf16 op by op: the same bits, inside one call. */
 typedef void (*gemm_bf16_fn)(const float *x, const uint16_t *w, const float *b, float *y, int m, int n, int k);
 
 static void widened(gemm_bf16_fn gemm, const uint16_t *x, const uint16_t *w, const float *b, uint16_t *y, int m,

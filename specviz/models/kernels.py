@@ -1,8 +1,8 @@
 """Matrix-product kernels chosen by measuring them on the CPU that runs them.
 
-No kernel wins on every CPU. Measured on three 2-core x86 CPUs (BRIEF.md), the 576x49152 output
-head in float32 is fastest through oneDNN's packed weights on one, through MKL's on another, and
-through plain `F.linear` at 2-3 rows on a third; bf16 packing raises where the CPU lacks bf16
+No kernel wins on every CPU. Measured on different 2-core x86 CPUs, the 576x49152 output head
+in float32 is fastest through oneDNN's packed weights on one, through MKL's on another, and
+through plain `F.linear` at a few rows on a third; bf16 packing raises where the CPU lacks bf16
 instructions. So nothing here is fixed from one machine's timings: the first time a model is
 loaded, every linear shape is timed on each path this CPU can run, at the row counts the decoder
 uses (ROWS: one-token steps, verify and draft widths), candidates interleaved, medians compared, the
@@ -97,8 +97,8 @@ def _onednn(packed, weight, bias, rows):
 
 def _onednn_pack(batch_hint: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """oneDNN reorders a weight for the batch size it is told to expect: for 1 row a layout for its
-    matrix-vector kernel, for more a blocked one. Measured on an AVX2 CPU (BENCHMARKS.md), the first
-    costs twice as much at 2-5 rows as at 1, the second about the same: two paths, the table picks."""
+    matrix-vector kernel, for more a blocked one. On an AVX2 CPU the first costs far more at a few rows
+    than at one, the second about the same at either: two paths, the table picks."""
     return lambda w, rows: torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
 
@@ -297,9 +297,9 @@ def shape_key(weight: torch.Tensor) -> str:
 
 
 # the model dtypes whose products keep to one family of bits at every row count (KernelTable.family): their
-# outputs keep 8 bits of mantissa, so a step's and a verify's roundings of one sum part greedy texts at near ties
-# (README, "Exactness"). In float32 they part in the last of 24 bits, no greedy text has parted over it on three
-# CPUs, and one family can cost speed (CPU C's float32 output head at one row is fastest through MKL's packing).
+# outputs keep 8 bits of mantissa, so a step's and a verify's roundings of one sum part greedy texts at near ties.
+# In float32 they part in the last of 24 bits, too little to have parted a greedy text in practice, and one family
+# can cost speed (a float32 output head at one row can be fastest through MKL's packing, whose bits vary by call).
 ONE_FAMILY = ("bfloat16", "float16")
 
 
@@ -440,7 +440,8 @@ def unavailable(dtype: torch.dtype) -> dict[str, str]:
 @functools.cache
 def _largest_cache_bytes() -> int:
     """The CPU's largest cache in bytes (Linux sysfs), 32 MiB where it cannot be read; SPECVIZ_LLC_BYTES if set
-    (the test suite sets 32 MiB: its timings only have to run, and with a 300 MB cache each sweep read 512 MB)."""
+    (the test suite sets 32 MiB: its timings only have to run, and on a CPU with hundreds of MB of cache each
+    sweep would read twice that)."""
     if given := os.environ.get("SPECVIZ_LLC_BYTES"):
         return int(given)
     sizes = []
@@ -461,7 +462,7 @@ def _eviction_buffer() -> torch.Tensor:
 def _evict() -> None:
     """Read twice the largest cache's bytes, so the next weights come from memory. In a decode every weight
     does (a model's weights stream through the caches once a step); timed hot, from cache, a kernel that
-    computes fast but streams slowly wins cells it loses in a step (on CPU A: oneDNN at 5-8 rows)."""
+    computes fast but streams slowly wins cells it loses in a step (oneDNN's at several rows, on one CPU)."""
     _eviction_buffer().sum()
 
 

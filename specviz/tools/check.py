@@ -1,9 +1,9 @@
 """`python -m specviz check`: every way specviz decodes, run once on this device, each against an oracle.
 
-Issue N: the CUDA path had never run. Instead of a page of commands to type on a lent GPU, one
-command runs the whole matrix there (or on any new machine): every cache kind, the compiled static
-cache where asked, greedy and sampled, one prompt and a batch, each drafter kind, a chain and a
-tree. Every case is judged by oracles that can fail:
+A path no machine has run (a GPU's, say) is known to work only once it has. Instead of a page of
+commands to type on a lent GPU, one command runs the whole matrix there (or on any new machine):
+every cache kind, the compiled static cache where asked, greedy and sampled, one prompt and a
+batch, each drafter kind, a chain and a tree. Every case is judged by oracles that can fail:
   - greedy: each prompt's speculative tokens equal plain decoding's with the same cache
     (speculation changes the cost of the text, never the text; Leviathan et al. 2023);
   - a batch: every row computes what its prompt computes alone with the same settings and seed: the
@@ -56,7 +56,7 @@ PROMPTS = [BENCHMARK_PROMPTS["classic"][0], BENCHMARK_PROMPTS["code"][0], BENCHM
 SHAPES = [("model", 3, 1, 0), ("lookup+eagle", 2, 1, 0), ("eagle", 3, 2, 4)]
 EXACT = 1e-9  # the closed-form check's tolerance, max |emitted − p| in float64
 # how far apart a row's p and q may be, alone and in a batch, relative (below 1e-3: absolute): rounding, not a
-# batching bug (an int8 product in one and bfloat16 weights in the other put q 17 % apart)
+# batching bug (an int8 product in one and bfloat16 weights in the other put q far beyond it)
 GAP = {torch.float32: 1e-3, torch.float64: 1e-3}
 QUANTIZED = 0.1  # int8 products: a last-bit change upstream moves a value across a quantization step
 

@@ -247,8 +247,8 @@ def _pair_line(pair, settings: Settings) -> str:
 
 def warming(prompt_ids: list[int], settings: Settings) -> list[int]:
     """The prompt ids a warm-up run reads: the first WARM_UP_TOKENS, since a long prompt's prefill, twice more, would
-    warm nothing further (a 3,540-token prompt's took 14 s a run on CPU B); compiled forwards compile per shape, so
-    there the whole prompt."""
+    warm nothing further (and a few thousand tokens' prefill takes seconds on a CPU); compiled forwards compile per
+    shape, so there the whole prompt."""
     return prompt_ids if settings.compile else prompt_ids[:WARM_UP_TOKENS]
 
 

@@ -12,20 +12,19 @@ N new tokens after a prompt is priced as (prefill + N · (step + base_overhead))
 the target's prefill of the calibration prompt timed with the forwards and priced affine in the prompt's tokens
 (`Costs.prefill`): after a long prompt it takes most of both runs, and the expected speedup falls towards 1. A
 drafter's own start (the EAGLE head's pass over the prompt: one layer against the target's thirty) is left
-unpriced: measured as the difference of two prefills of ~25 ms, a few ms of noise, it would be multiplied by a long
-prompt's length.
+unpriced: measured as the difference of two prefills, a small difference of two noisy timings, it would be
+multiplied by a long prompt's length.
 
 A tree (γ levels deep, `branch` children per node, `nodes` verified) is priced the same way with its
 own measured round: S = τ · (step + base_overhead) / (verify(nodes + 1) + its drafting and bookkeeping
 per round, on the plane through every measured tree's rounds by depth and drafts verified: `tree_line`), so the
-shape chosen is the one this machine's c(k) pays for (issue M). A sampled tree
+shape chosen is the one this machine's c(k) pays for. A sampled tree
 drafts other levels than a greedy one of the same shape (drafters.EagleDrafter.propose), so its round
 is timed sampling, apart from the greedy one.
 
 A forward's cost grows with the tokens already in the cache, and more for a wide one: each of its k tokens
-attends over every cached key, while its matrix products read the weights once whatever k (on CPU B, AVX2,
-bfloat16, `python -m specviz kernels` timed c(6) at 1.35 over the 34-token calibration prompt and 1.51 over 1,024
-tokens, a one-token step at 11.3 and 13.0 ms). So the forwards are timed
+attends over every cached key, while its matrix products read the weights once whatever k (so c(6), and a
+one-token step too, measure higher over a thousand cached tokens than over a short prompt). So the forwards are timed
 over two caches, the calibration prompt's and LONG_CONTEXT tokens, and a forward over a context of n tokens is
 priced as the short one's time plus n times what a context token adds to it (attention is linear in the keys),
 a + b k for k tokens, fitted through every width's two timings (`Costs.per_token`). A run is priced at its middle,
@@ -33,7 +32,7 @@ the prompt plus half its budget (`context_of`): a long prompt can make a narrowe
 head's own attention over the context (one layer's against the target's thirty) is left unpriced.
 
 τ belongs to the pair and the text, not the machine (but for the drafter's lossy kernels, chosen per
-machine, which moved it by up to 2 % on CPU C: README, "Kernels"): it is measured on held-out prompts and kept
+machine, which move it a little): it is measured on held-out prompts and kept
 in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
 target's forward of k tokens for k = 1..MAX_WIDTH (so c(k) = verify(k) / step), and a short
 decode per drafter for its draft time per token and its round overhead. The measurement takes a
@@ -41,8 +40,8 @@ few seconds once per machine, pair, dtype and compile mode, and is kept in the s
 beside the kernel table (kernels.py). Where no candidate reaches S > 1, `note` says so in one
 sentence, so neither the app nor the CLI leaves the viewer to discover it.
 
-Timed while other programs use the CPU, forwards slow down unevenly (a one-token step measured at twice
-its idle time made c(5) = 0.93 in a stored file here). So a forward's cost is the fastest of its repeats
+Timed while other programs use the CPU, forwards slow down unevenly (a one-token step timed slow can price a
+5-token forward below one step). So a forward's cost is the fastest of its repeats
 (other work only ever slows one down); how much of the CPUs our threads need other processes took while
 timing is read from Linux's /proc/stat (models/contention.py); the forwards are timed again, up to ATTEMPTS
 times, while that exceeds BUSY; and costs still timed on a busy machine are said to be so (`describe`) and
@@ -82,8 +81,8 @@ LONG_REPEATS = 5
 RUN_TOKENS = Settings.max_new_tokens  # a run priced where its budget is not known: the app's and generate's default
 TREE_LINE = 4  # measured trees of a drafter from which their rounds are priced on one plane (tree_line)
 # candidates each drafted and extra token keeps for the inspector in the calibration decodes: as many as the runs a
-# first run's choice serves record (the app's and `generate`'s, Settings' default), whose rounds pay for them (on
-# CPU C, bfloat16, 2 threads: ~0.25 ms a plain step, 0.4-1.1 ms a speculative round)
+# first run's choice serves record (the app's and `generate`'s, Settings' default), whose rounds pay for them (a
+# measurable part of a round's time, more for a speculative round than for a plain step)
 RECORD_TOP = Settings.record_top
 # (in the stored costs' key)
 TIMING = ("forwards: the fastest of their repeats, over two contexts; a tree's drafting: its median round; "
@@ -219,9 +218,9 @@ def tree_line(costs: Costs, drafter: str, sampled: bool = False) -> dict[Shape, 
     """Each measured tree of the drafter (greedy or sampled) priced on the least-squares plane a + b·depth +
     c·drafts verified through all of their measured rounds, where at least TREE_LINE shapes at two depths or more
     were timed and the plane rises with depth; else {} (each tree at its own median round). A head step per level
-    makes most of a tree's drafting, and each shape's calibration decode has only ~10 rounds timed at its own moment:
-    on CPU C the same shape's median moved by 0.2-0.65 ms (sd about the plane, five calibrations) where shapes of one
-    depth differ by a few hundredths of a ms a draft, enough to reorder them; the plane pools every shape's rounds."""
+    makes most of a tree's drafting, and each shape's calibration decode has only about ten rounds, timed at its own
+    moment: from one calibration to the next the same shape's median moves by far more than shapes of one depth
+    differ a draft, enough to reorder them; the plane pools every shape's rounds."""
     points = []
     for key, ms in costs.tree_ms.items():
         name, label, *mode = key.split(" ")
@@ -313,7 +312,7 @@ def forward_ms(pair: ModelPair, prompt_ids: list[int], widths: range, repeats: i
 
 def prefill_ms(pair: ModelPair, ids: list[int], repeats: int, compiled: bool) -> float:
     """ms of the target's prefill of the prompt into a fresh static cache: the fastest of the repeats, as a forward's
-    (a run's prefill, timed in its decode, is one sample: on CPU C one in four calibrations read 45-60 ms for ~25)."""
+    (a run's prefill, timed in its decode, is one sample, which a busy moment can read far above its time)."""
     times = []
     with torch.inference_mode():
         for rep in range(repeats + 2):  # two to warm up (and compile)
@@ -388,9 +387,8 @@ def _one_step(pair: ModelPair, compiled: bool) -> Callable[[], float]:
 def _pace(costs: Costs, step: Callable[[], float] | None) -> float:
     """The timed one-token forward over one timed now by `step`, right after a calibration decode (the fastest of a
     few, as the forwards): what puts the decode's times at the forwards' pace (1 where either is not known). A VM
-    runs some seconds faster than others (by 20-30 % on CPU C), and the forwards and each decode are timed at
-    different moments: drafting priced as measured cost 0.22 one-token steps in one calibration and 0.55 in
-    another there."""
+    runs some seconds faster than others, and the forwards and each decode are timed at different moments:
+    priced as measured, the same drafting cost far more one-token steps in one calibration than in another."""
     if step is None or 1 not in costs.forward_ms:
         return 1.0
     return costs.forward_ms[1] / min(step() for _ in range(PACE_REPEATS))
@@ -518,6 +516,13 @@ def first_run(pair: ModelPair, tokens_per_round: dict[str, dict[Shape, float]], 
     costs = measure(pair, list(tokens_per_round), progress, retune, trees=trees)
     ranked = rank(costs, tokens_per_round, sampled, context, new_tokens)
     return (ranked[0] if ranked else None), costs
+
+
+def headline(choice: Choice) -> str:
+    """The choice in a few words, for a status line read from afar: 'lookup+eagle, tree 3x3:5, expected 1.67x
+    here' (describe gives the why)."""
+    shape = f"tree {tree_label(*choice.shape)}" if choice.branch > 1 else f"γ = {choice.gamma}"
+    return f"{choice.drafter}, {shape}, expected {choice.expected:.2f}x here"
 
 
 def describe(choice: Choice, costs: Costs) -> str:

@@ -264,7 +264,7 @@ def generate_feature_data(target, tokenizer, prompts: list[str], cfg: DistillCon
             # the top k, sorted; softmax over their logits = the full softmax's top k renormalised over the k
             top = logits.topk(cfg.top_k, dim=-1)
             nxt = top.indices[:, 0].clone()  # greedy
-            if len(drawn):  # inverse CDF: torch.multinomial costs 10x more at this width
+            if len(drawn):  # inverse CDF: torch.multinomial costs many times more at this width
                 cdf = (logits.index_select(0, drawn) / drawn_t[:, None]).softmax(-1).cumsum(-1)
                 u = torch.rand(len(drawn), 1, generator=gen, device=device) * cdf[:, -1:]
                 nxt.index_copy_(0, drawn, torch.searchsorted(cdf, u)[:, 0].clamp_max(logits.shape[-1] - 1))
@@ -380,8 +380,8 @@ def fit(params: list[torch.nn.Parameter], cfg: DistillConfig, batch_loss: Callab
 
 
 TRAINING_REPEATS = 3  # training_dtype: timed steps per precision, interleaved, after one each to warm up
-# training_dtype: the rows of the timed step. A batch trains thousands of rows; at 64 rows CPU C's bf16 (AMX) step
-# costs about float32's, so one timing there flipped between runs; from 256 rows bf16 is clearly faster (BENCHMARKS.md)
+# training_dtype: the rows of the timed step. A batch trains thousands of rows; at a few dozen rows an AMX CPU's bf16
+# step costs about float32's, so a timing there can flip between runs; from a few hundred rows bf16 is clearly faster
 TRAINING_ROWS = 512
 
 

@@ -177,8 +177,9 @@ def benchmarks_md(files: dict[str, dict]) -> str:
     """BENCHMARKS.md: the method once, then per results file one table, best speculative setting first."""
     parts = ["# Benchmarks", "",
              "Written by `python -m specviz bench --report` from the results files in `benchmarks/` (one a machine "
-             "class); do not edit it by hand. To add or re-measure your machine's class: `python -m specviz bench "
-             "--save benchmarks` (about half an hour on two cores), then `python -m specviz bench --report`.", "",
+             "class); do not edit it by hand. To add or re-measure your machine's class, run the command under a "
+             "table (it ends in `--save benchmarks`; tens of minutes on two cores), then `python -m specviz bench "
+             "--report`.", "",
              "## Method", "", METHOD, ""]
     if not files:
         parts += ["No machine has been measured yet.", ""]

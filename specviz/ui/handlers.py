@@ -100,8 +100,8 @@ def prefilling(mode: str, tokens: int) -> str:
 def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None,
            baseline_next: bool = False):
     """The page every UPDATE_S at most, and at each run's last round, until the runs finish: every round shows,
-    several at once when they come faster (drawn every round, a 64-token comparison that decodes in 1-2 s kept
-    a 2-core CPU's browser busy for 18-21 CPU-seconds: `bench-page`, BENCHMARKS.md). The five charts under the
+    several at once when they come faster (drawn every round, a short comparison that decodes in a second or
+    two keeps a 2-core CPU's browser busy many times as long: `bench-page` measures it). The five charts under the
     streams are redrawn every CHARTS_S at most and at each run's last round: the browser lays out each of them
     anew at every redraw, on the CPU the decode runs on. `against`: for a run with the machine's choice, the
     speedup it measured against the expected one (page.measured_against), said when the baseline has run.
@@ -129,8 +129,9 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
             stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
             view.spec, view.base = update.spec, update.base
             line = against(view.spec, view.base) if against and view.base and not update.stopped else ""
+            said = line.partition(": ")[0]  # 'expected 1.44x, measured 1.19x'; what each part cost, on hover
             view.status = note_html(f"{note}done: {count(view.spec.n_tokens)}.{speedup_line(view.spec, view.base)}"
-                                    f"{stopped}" + (f" This machine's choice: {line}." if line else ""))
+                                    f"{stopped}" + (f" This machine's choice: {said}." if said else ""), line)
             yield view.outputs(download=str(update.trace), race=race_html(view.spec, view.base) if view.base else "")
 
 

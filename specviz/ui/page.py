@@ -20,7 +20,7 @@ from ..core.events import Run
 from ..core.generator import DRAFTER_KINDS, MAX_GAMMA, MAX_NODES, Settings, draft_width
 from ..core.generator import validate_prompt as check_prompt
 from ..models.loading import PRESETS, ModelPair, load_pair
-from ..tools.costs import RUN_TOKENS, Choice, Costs, against, describe, expected_speedup, first_run, rank
+from ..tools.costs import RUN_TOKENS, Choice, Costs, against, describe, expected_speedup, first_run, headline, rank
 from ..view.rendering import note_html
 
 CUSTOM = "custom (enter ids below)"
@@ -90,8 +90,8 @@ log = logging.getLogger("specviz")
 def share_the_cores() -> str:
     """Set the threads the app decodes with, and say why. A browser on the same machine draws the page while
     the model runs, and a decode on every core then waits for it at each of the forward's parallel steps: with
-    the page open on a 2-core CPU, a tenth of the speed on both cores (`bench-page`; BENCHMARKS.md, "The page
-    as a person sees it"). So the app leaves one core to the browser and the server; public mode (the Docker
+    the page open on a 2-core CPU, a decode on both cores runs far slower than on one (`bench-page` measures
+    it). So the app leaves one core to the browser and the server; public mode (the Docker
     image) and a Hugging Face Space (SPACE_ID), whose browsers are elsewhere, keep them all; SPECVIZ_THREADS
     sets the count."""
     import torch
@@ -306,6 +306,7 @@ def first_run_values(preset: str, sampled: bool = False) -> tuple[str, int, int,
         when = "a temperature of 0" if sampled else "a temperature above 0"
         also = (f" With {when}, {other.text} is expected fastest here ({other.expected:.2f}x)."
                 if (other.drafter, other.shape) != (choice.drafter, choice.shape) else "")
-        return choice.drafter, choice.gamma, choice.branch, choice.nodes, note_html(describe(*mode) + also)
+        return (choice.drafter, choice.gamma, choice.branch, choice.nodes,
+                note_html(f"This machine's choice: {headline(choice)}.", describe(*mode) + also))
     first = PRESETS[preset]
     return first.drafter, first.gamma, first.branch, first.nodes, ""

@@ -62,9 +62,9 @@ class Stepper:
         if self.more():
             event = spec.events[-1] if spec.events else None
             where = f"round {event.index + 1}, stage {self.stage + 1} of {self.stages()}" if event else "start"
-            view.status = note_html(f"{self.note}Stepping: {where}. Next ▸ (key n) for the next stage, Step for the "
-                                    "next round, Continue to run to the end; Run starts afresh with the page's "
-                                    "settings.")
+            view.status = note_html(f"{self.note}Stepping: {where}. Next ▸ (key n) for the next stage.",
+                                    "Next ▸ (key n) for the next stage, Step for the next round, Continue to run to "
+                                    "the end; Run starts afresh with the page's settings.")
         else:
             view.status = note_html(f"{self.note}Stepped to the end: {count(spec.n_tokens)}. Step starts again.")
         return view

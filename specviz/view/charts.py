@@ -1,8 +1,8 @@
 """Plotly figures from runs. Pure functions of events: no tensors, no UI.
 
 Figures are plain Plotly JSON specs (`PlotlySpec`, a dict): building and serialising
-`plotly.graph_objects.Figure` costs ~40 ms a chart, far too much to redraw four charts every
-round; a dict costs well under a millisecond. `spec.figure()` gives the full Figure for export.
+`plotly.graph_objects.Figure` costs tens of milliseconds a chart, far too much to redraw four charts
+every round; a dict costs well under a millisecond. `spec.figure()` gives the full Figure for export.
 Every figure sets layout.uirevision, so a chart redrawn each round keeps the viewer's zoom.
 """
 

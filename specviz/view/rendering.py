@@ -318,8 +318,10 @@ def error_html(message: str) -> str:
     return f'<div class="sv-error">{html.escape(message)}</div>'
 
 
-def note_html(message: str) -> str:
-    return f'<div class="sv-note">{html.escape(message)}</div>'
+def note_html(message: str, detail: str = "") -> str:
+    """A status line: one short sentence for a projector; `detail`, where given, on hover."""
+    title = f' title="{html.escape(detail)}"' if detail else ""
+    return f'<div class="sv-note"{title}>{html.escape(message)}</div>'
 
 
 def exact_check_text(check: ExactCheck) -> str:
