@@ -72,3 +72,13 @@ def test_benchmarks_md_and_the_readme_are_what_the_report_renders_from_the_resul
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert report.with_readme_tables(readme, files) == readme, (
         "README.md's speed tables differ from what `python -m specviz bench --report` renders")
+
+
+def test_a_capped_class_is_re_measured_under_its_caps():
+    """A file of AVX2 kernels run on an AVX-512 CPU re-measures only under the caps that made it so: its command
+    in the report carries them, once."""
+    bare = {"command": "python -m specviz bench --save benchmarks"}
+    caps = report.CAPS["cpu-avx2-capped"]
+    assert report._command("cpu-avx2-capped", bare) == f"{caps} python -m specviz bench --save benchmarks"
+    assert report._command("cpu-avx2-capped", {"command": f"{caps} python -m specviz bench"}).count(caps) == 1
+    assert report._command("cpu-avx2", bare) == bare["command"]

@@ -697,7 +697,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sweep = lookup_gammas if choice.drafter == "lookup" else gammas if choice.drafter == "model" else eagle_gammas
         if choice.branch == 1 and choice.gamma not in sweep:
             sweep.append(choice.gamma)
-    command = "python -m specviz " + " ".join(shlex.quote(a) for a in args.argv)
+    caps = [f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if os.environ.get(k)]
+    command = " ".join([*caps, "python -m specviz", *map(shlex.quote, args.argv)])  # caps: another class's kernels
     run = {"max_new_tokens": max_new, "repeats": repeats, "seeds": args.seeds, "temperatures": temperatures,
            "record_top": args.record_top, "cache": args.cache, "compiled": args.compile}
 

@@ -11,6 +11,9 @@ from statistics import median
 README_START, README_END = "<!-- speed tables: written by `python -m specviz bench --report` -->", "<!-- /speed -->"
 
 # a machine class's heading, in the order the report lists them (unknown classes follow, by name)
+# the environment that makes a CPU run a lower class's kernels (kernels.cpu_class), for files that predate the command
+# recording it
+CAPS = {"cpu-avx2-capped": "ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2"}
 CLASS_TITLES = {
     "cpu-avx2": "CPUs with AVX2 only (most laptops and many cloud VMs)",
     "cpu-avx2-capped": "AVX2 kernels on an AVX-512 CPU (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)",
@@ -129,14 +132,19 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _class_of(name: str) -> str:
+    """A results file's machine class: its name without the dtype a run asked for (machine_file)."""
+    return re.sub(r"-(float32|bfloat16|float16)$", "", name)
+
+
 def _title(name: str) -> str:
-    base = name.removesuffix("-float32").removesuffix("-bfloat16").removesuffix("-float16")
+    base = _class_of(name)
     title = CLASS_TITLES.get(base, f"GPU: {base.removeprefix('gpu-')}" if base.startswith("gpu-") else base)
     return title + (f", {name[len(base) + 1:]}" if base != name else "")
 
 
 def _order(name: str) -> tuple:
-    base = name.split("-float")[0].split("-bfloat")[0]
+    base = _class_of(name)
     return (list(CLASS_TITLES).index(base) if base in CLASS_TITLES else len(CLASS_TITLES), name)
 
 
@@ -162,9 +170,16 @@ def _steps(results: dict) -> str:
             f"in one-token forwards: {widths}.")
 
 
-def _footer(results: dict) -> str:
+def _command(name: str, results: dict) -> str:
+    """The command that re-measures this file's class: its caps first, where the class is a capped one."""
+    caps = CAPS.get(_class_of(name), "")
+    command = results["command"]
+    return f"{caps} {command}" if caps and not command.startswith(caps) else command
+
+
+def _footer(name: str, results: dict) -> str:
     env = results["environment"]
-    bits = [f"`{results['command']}`", f"commit {env.get('commit', '?')}", env.get("date", "?"),
+    bits = [f"`{_command(name, results)}`", f"commit {env.get('commit', '?')}", env.get("date", "?"),
             f"torch {env.get('torch', '?')}", f"{env.get('threads', '?')} threads"]
     if env.get("taken by other processes"):
         bits.append(f"other processes took {env['taken by other processes']}")
@@ -188,7 +203,7 @@ def benchmarks_md(files: dict[str, dict]) -> str:
         parts += [f"## {_title(name)}", "", _about(results), "", _table(rows_of(results)), ""]
         steps = _steps(results)
         parts += [steps, ""] if steps else []
-        parts += [_footer(results), ""]
+        parts += [_footer(name, results), ""]
     parts += ["## Not measured", "", "No GPU has run this benchmark: what specviz gains on a GPU is not known yet.",
               "A class of CPU without a table here has not been measured with the current code.", ""]
     return "\n".join(parts)
