@@ -36,10 +36,14 @@ def make_run(mode="speculative", temperature=0.0) -> Run:
 
 
 def test_token_text_is_escaped_and_hover_has_p_q_u():
-    html = stream_html(make_run(), show_rounds=True)
+    html = stream_html(make_run(temperature=1.0), show_rounds=True)
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert html.count("sv-accepted") == 3 and html.count("sv-rejected") == 1
-    assert "p = 0.1000  q = 0.6000" in html and "u = 0.9000" in html and "│2" in html
+    assert "p = 0.1000  q = 0.6000" in html and "min(1, p/q) = 0.1667  u = 0.9000" in html and "│2" in html
+    # greedy keeps the target's argmax: the ratio p/q and that verdict are shown as two things, and no u
+    greedy = stream_html(make_run())
+    assert "p/q = 0.1667\ngreedy: rejected, not the target&#x27;s most likely token" in greedy
+    assert "p/q = 0.8000\ngreedy: kept, the target&#x27;s most likely token" in greedy and "u = " not in greedy
 
 
 def test_rounds_prompt_lookup_drafted_are_named_in_hover_and_stats():

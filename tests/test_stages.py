@@ -2,6 +2,8 @@
 shown where greedy runs part: all read from recorded events, so replays step like live runs."""
 
 import dataclasses
+import html
+import re
 
 import pytest
 from conftest import words
@@ -90,3 +92,84 @@ def test_records_follow_the_text_and_the_tie_shows_both_candidates(random_pair):
     page = tie_html(base, other, base.n_tokens - 1)  # the two part at their last token
     assert f"{swapped.p:.4f}" in page and f"{last.extra.p:.4f}" in page and "logit gap" in page
     assert isinstance(last.extra.top[0], TopToken) and isinstance(run.events[0], RoundEvent)
+
+
+def _tree_round(meta, statuses: list[str], extra: ExtraToken, n_accepted: int) -> RoundEvent:
+    """A recorded tree round: three children of the last kept token (d1-d3), two children of d1 (d4, d5)."""
+    from specviz.core.events import DraftedToken
+
+    drafted = [DraftedToken(10 + i, f"w{i + 1}", q=0.5, p=0.2 + 0.1 * i, accept_prob=1.0, u=None if meta.sampling.greedy
+                            else 0.3, status=s, score=0.5 / (i + 1)) for i, s in enumerate(statuses)]
+    return RoundEvent(3, len(drafted), drafted, extra, n_accepted, 1.0, 2.0, 20, 0, 9, 50.0, parents=[-1, -1, -1, 0, 0])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tree_round_is_told_as_the_tree_it_was(random_pair, temperature):
+    """Every stage's words, the table and the tree chart read the round's own record: γ is the tree's depth and the
+    drafts are counted apart; the rule walks the tree (no 'first rejection'); a node the walk never tried is 'not
+    reached' everywhere; a correction names the depth where no child was kept, a bonus the kept path's end; the
+    chart's title keeps the outcome until the stage that decides it."""
+    from specviz.core.events import Run
+    from specviz.view.rendering import stream_html
+    from specviz.view.stages import tree_view
+
+    meta = dataclasses.replace(generate(random_pair, "", Settings(gamma=2, max_new_tokens=2),
+                                        prompt_ids=words(1, 2)).meta, temperature=temperature)
+    greedy = temperature == 0
+    # d1 kept, its children d4 and d5 rejected: a correction at depth 2; d2 and d3 never tried
+    corrected = _tree_round(meta, ["accepted", "unverified", "unverified", "rejected", "rejected"],
+                            ExtraToken(7, "fix", "correction", 0.6, 0.1), 1)
+    # d1 rejected, d2 kept, and d2 has no drafts below it: a bonus; d3, d4, d5 never tried
+    bonus = _tree_round(meta, ["rejected", "accepted", "unverified", "unverified", "unverified"],
+                        ExtraToken(8, "more", "bonus", 0.7), 1)
+    for event, tried in ((corrected, [0, 3, 4]), (bonus, [0, 1])):
+        stages = round_stages(event, meta)
+        assert [s.kind for s in stages] == [DRAFT, DRAFT, VERIFY] + [DECIDE] * len(tried) + [ADD]
+        assert [s.position for s in stages if s.kind == DECIDE] == tried
+        assert "5 draft(s)" in stages[2].caption and "ancestors" in stages[2].caption
+        final = how_it_works_html(event, meta, len(stages) - 1)
+        assert "a tree 2 deep (γ = 2) of 5 drafts" in final and "γ = 5" not in final
+        assert "first rejection" not in final and "the last kept token" in final and "child" in final
+        table = stage_html(event, meta, len(stages) - 1)
+        verdicts = re.findall(r"<td[^>]*>(kept|rejected|not reached)</td>", table)
+        assert verdicts == [{"accepted": "kept", "rejected": "rejected"}.get(t.status, "not reached")
+                            for t in event.drafted]
+        words_shown = re.sub("<[^>]+>", " ", table)
+        assert "dropped" not in words_shown and "unverified" not in words_shown and "<th>depth</th>" in table
+        done = charts.token_tree(event, greedy=greedy)
+        assert done["layout"]["title"]["text"] == "Round 4: 5 drafts as a tree 2 deep, 1 kept"
+        names = {t.get("name") for t in done["data"]}
+        assert {"kept", "rejected", "not reached"} <= names and "unverified" not in names
+        first = charts.token_tree(event, *tree_view(stages[0]), greedy=greedy)
+        assert first["layout"]["title"]["text"] == "Round 4: 5 drafts as a tree 2 deep"  # no outcome yet
+        hover = " ".join(h for t in done["data"] if t.get("name") == "rejected" for h in t["hovertext"])
+        assert ("p/q = " in hover and "min(1" not in hover) if greedy else "min(1, p/q) = 1.000" in hover
+    add = round_stages(corrected, meta)[-1].caption
+    assert add.startswith("After the kept path, no child tried at depth 2 was kept (d4 (depth 2), d5 (depth 2) "
+                          "rejected)") and "2 drafts not reached" in add
+    assert round_stages(bonus, meta)[-1].caption.startswith(
+        "The kept path (1 of the 5 drafts) ends where the tree has no drafts below it")
+    assert "All" not in round_stages(bonus, meta)[-1].caption
+    # the stream's hover: a tree draft's position is its depth; greedy shows p/q and the argmax verdict apart
+    stream = html.unescape(stream_html(Run(meta, [corrected])))
+    assert "draft position 2" in stream and "draft position 4" not in stream
+    if greedy:
+        assert "p/q = 0.4000" in stream and "p/q = 1.2000" in stream  # the ratio, above 1 where p > q
+        assert "greedy: rejected, not the target's most likely token" in stream
+        assert "min(1, p/q)" not in stream
+    else:
+        assert "min(1, p/q) = 1.0000  u = 0.3000" in stream
+
+
+def test_a_chain_keeps_its_words():
+    """The chain's own wording stays: γ its length, a first rejection, all drafts kept before a bonus."""
+    from specviz.core.events import DraftedToken, RunMeta
+
+    meta = RunMeta("speculative", "t", "d", "float32", "cpu", 2, 0.0, 0, 1.0, 0, 8, "prompt", [1, 2], 10)
+    chain = RoundEvent(0, 2, [DraftedToken(1, "a", 0.5, 0.6, 1.0, None, "accepted"),
+                              DraftedToken(2, "b", 0.5, 0.7, 1.0, None, "accepted")],
+                       ExtraToken(3, "c", "bonus", 0.8), 2, 1.0, 1.0, 5, 0, 3, 10.0)
+    stages = round_stages(chain, meta)
+    assert stages[-1].caption.startswith("All 2 drafts were kept")
+    final = how_it_works_html(chain, meta, len(stages) - 1)
+    assert "proposes γ = 2 drafts" in final and "stop at the first rejection: d1 kept, d2 kept" in final

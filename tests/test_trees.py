@@ -371,8 +371,8 @@ def test_the_tree_is_drawn_and_stepped_level_by_level(random_pair):
     event = next(e for e in run.events if e.n_accepted and e.n_rejected)
     fig = charts.token_tree(event)
     names = {t.get("name") for t in fig["data"]}
-    assert {"accepted", "rejected", "last kept token", event.extra.kind} <= names
-    accepted = next(t for t in fig["data"] if t.get("name") == "accepted")
+    assert {"kept", "rejected", "last kept token", event.extra.kind} <= names
+    accepted = next(t for t in fig["data"] if t.get("name") == "kept")
     assert accepted["x"] == list(range(1, event.n_accepted + 1))  # the kept path, one per depth
     assert "as a tree" in fig["layout"]["title"]["text"] and "min(1, p/q)" in accepted["hovertext"][0]
     stages = round_stages(event, run.meta)
@@ -381,7 +381,7 @@ def test_the_tree_is_drawn_and_stepped_level_by_level(random_pair):
     first = charts.token_tree(event, *tree_view(levels[0]))
     drawn = [t for t in first["data"] if t.get("name") == "drafted"]
     assert len(drawn) == 1 and len(drawn[0]["x"]) == event.depths.count(1)  # the first level only, undecided
-    assert not {"accepted", "rejected", event.extra.kind} & {t.get("name") for t in first["data"]}
+    assert not {"kept", "rejected", event.extra.kind} & {t.get("name") for t in first["data"]}
     chain = generate(pair, "", Settings(gamma=3, drafter="eagle", max_new_tokens=8), prompt_ids=words(1, 2, 3))
     drafted = next(e for e in chain.events if e.drafted)
     assert "as a chain" in charts.token_tree(drafted)["layout"]["title"]["text"]

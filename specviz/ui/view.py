@@ -50,7 +50,8 @@ class View:
             return waiting(charts.token_tree(None))
         event = self.spec.events[-1]
         stages = round_stages(event, self.spec.meta)
-        return charts.token_tree(event, *tree_view(stages[self.stage] if self.stage is not None else None))
+        return charts.token_tree(event, *tree_view(stages[self.stage] if self.stage is not None else None),
+                                 greedy=self.spec.meta.sampling.greedy)
 
     def outputs(self, download: str | None = None, race: str = "", final: bool = True,
                 with_charts: bool = True) -> tuple:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..core.events import DraftedToken, RoundEvent, Run, SampleCheck
 from ..core.theory import cost_ratio, speedup_bound
+from .stages import NOT_REACHED, depth_of, verdict
 
 COLOURS = {"accepted": "#1a9850", "rejected": "#d73027", "correction": "#2166ac", "bonus": "#8e44ad",
            "baseline": "#7f7f7f", "speculative": "#1a9850", "theory": "#f39c12", "eagle": "#17becf",
@@ -213,12 +214,15 @@ def token_inspector(token: DraftedToken | None, label: str = "") -> PlotlySpec:
     return _figure(traces, title, "candidate token", "probability", "inspector", barmode="group")
 
 
-def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int | None = None) -> PlotlySpec:
+def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int | None = None,
+               greedy: bool = False) -> PlotlySpec:
     """One round's drafts as a tree (a chain is a tree of one branch): depth across, the last kept token
     at the root. Kept path green, rejected red, never reached grey; the token the target added hangs
     from the path's end. Hover: p, q, min(1, p/q) and the draft's probability of the path to the node.
     Stepping a round: only nodes up to depth `shown` are drawn (None: all), and only nodes up to index
-    `decided` show their outcome (None: all; -1: none yet)."""
+    `decided` show their outcome (None: all; -1: none yet). `greedy`: the verdict is the argmax test, told apart
+    from the ratio p/q it does not use."""
+
     if event is None or not event.drafted and event.extra is None:
         return _figure([], "The round's token tree", "", "", "tree")
     parents, depth = event.tree, event.depths
@@ -241,8 +245,8 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
 
     place(-1)
     x = {-1: 0, **{i: depth[i] for i in show}}
-    status = {i: event.drafted[i].status if decided is None or i <= decided else "drafted" for i in show}
-    colour = {"accepted": COLOURS["accepted"], "rejected": COLOURS["rejected"], "unverified": "#bdbdbd",
+    status = {i: verdict(event.drafted[i].status) if decided is None or i <= decided else "drafted" for i in show}
+    colour = {"kept": COLOURS["accepted"], "rejected": COLOURS["rejected"], NOT_REACHED: "#bdbdbd",
               "drafted": "#9ecae1"}
     traces: list[dict[str, Any]] = []
     edges_x, edges_y = [], []
@@ -257,7 +261,7 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
         edges_y += [y[end], y["extra"], None]
     traces.append({"type": "scatter", "mode": "lines", "x": edges_x, "y": edges_y, "hoverinfo": "skip",
                    "line": {"color": "#cccccc", "width": 1.5}, "showlegend": False})
-    for name in ("accepted", "rejected", "unverified", "drafted"):
+    for name in ("kept", "rejected", NOT_REACHED, "drafted"):
         nodes = [i for i in show if status[i] == name]
         if not nodes:
             continue
@@ -265,8 +269,8 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
         for i in nodes:
             t = event.drafted[i]
             path = f"<br>draft's path probability {t.score:.3f}" if t.score is not None else ""
-            hover.append(f"{t.text!r}: {t.status}<br>p = {t.p:.3f}, q = {t.q:.3f}, min(1, p/q) = "
-                         f"{t.accept_prob:.3f}{path}")
+            test = (f"p/q = {t.p / t.q:.3f}" if t.q else "") if greedy else f"min(1, p/q) = {t.accept_prob:.3f}"
+            hover.append(f"{t.text!r}, depth {depth[i]}: {name}<br>p = {t.p:.3f}, q = {t.q:.3f}, {test}{path}")
         traces.append({"type": "scatter", "mode": "markers+text", "name": name, "x": [x[i] for i in nodes],
                        "y": [y[i] for i in nodes], "text": [_short(event.drafted[i].text) for i in nodes],
                        "textposition": "top center", "hovertext": hover, "hoverinfo": "text",
@@ -283,8 +287,9 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
                        "hoverinfo": "text", "hovertext": [f"{extra.text!r}: {extra.kind}, p = {extra.p:.3f}"],
                        "marker": {"color": COLOURS.get(extra.kind, COLOURS["correction"]), "size": 14,
                                   "symbol": "star"}})
-    kind = "tree" if event.parents else "chain"
-    title = (f"Round {event.index + 1}: {len(event.drafted)} drafts as a {kind}, {event.n_accepted} kept"
+    kind = f"tree {depth_of(event)} deep" if event.parents else "chain"
+    outcome = f", {event.n_accepted} kept" if done else ""  # while stepping, the verdicts are still to come
+    title = (f"Round {event.index + 1}: {len(event.drafted)} drafts as a {kind}{outcome}"
              if event.drafted else f"Round {event.index + 1}: nothing drafted")
     hidden = {"showgrid": False, "zeroline": False}
     low, high = min(y.values()), max(y.values())

@@ -7,6 +7,7 @@ import math
 from statistics import median
 
 from ..core.events import BONUS, CORRECTION, REJECTED, ExactCheck, RoundEvent, Run
+from .stages import verdict
 
 # ANSI SGR: green, red + strike-through, blue, magenta
 _ANSI = {"accepted": "32", REJECTED: "31;9", CORRECTION: "34", BONUS: "35"}
@@ -157,16 +158,21 @@ def stream_html(run: Run | None, show_rounds: bool = False, diff_at: int | None 
     """The token stream, one span per token; hover shows p, q, min(1, p/q) and u."""
     if run is None or not run.events:
         return '<div class="sv-stream"></div>'
-    parts, position = [], 0
+    parts, position, greedy = [], 0, run.meta.sampling.greedy
     for e in run.events:
         if show_rounds:
             parts.append(f'<span class="sv-round">│{e.index + 1}</span>')
+        depths = e.depths
         for i, t in enumerate(e.drafted):
             if t.status not in ("accepted", REJECTED):
                 continue
             by = " (copied by prompt lookup)" if e.drafted_by == "lookup" else ""
-            title = (f"round {e.index + 1}, draft position {i + 1}{by}: {t.status}\n"
-                     f"p = {_fmt(t.p)}  q = {_fmt(t.q)}\nmin(1, p/q) = {_fmt(t.accept_prob)}  u = {_fmt(t.u)}")
+            # greedy keeps a draft when it is the target's argmax: p/q is shown as what it is, not as that verdict
+            test = (f"p/q = {_fmt(t.p / t.q if t.q else None)}\ngreedy: {verdict(t.status)}, "
+                    f"{'the' if t.accepted else 'not the'} target's most likely token" if greedy else
+                    f"min(1, p/q) = {_fmt(t.accept_prob)}  u = {_fmt(t.u)}")
+            title = (f"round {e.index + 1}, draft position {depths[i]}{by}: {verdict(t.status)}\n"
+                     f"p = {_fmt(t.p)}  q = {_fmt(t.q)}\n{test}")
             mark = "sv-diff" if t.accepted and position == diff_at else ""
             parts.append(_span(t.text, t.status, title, mark))
             position += t.accepted

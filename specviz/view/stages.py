@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from ..core.events import ACCEPTED, BONUS, CORRECTION, REJECTED, RoundEvent, RunMeta
 
 DRAFT, VERIFY, DECIDE, ADD = "draft", "verify", "decide", "add"
+# what a viewer reads for each draft's fate, the same word in the table, the tree chart and the stream: a draft the
+# rule never tried (after a chain's first rejection, off a tree's kept path, after a kept end-of-text) was scored by
+# the verify pass like every other, so it is "not reached", neither rejected nor unverified
+NOT_REACHED = "not reached"
+VERDICT = {ACCEPTED: "kept", REJECTED: "rejected"}
 ADDED_NAME = {CORRECTION: "a correction", BONUS: "a bonus", "target": "the target's"}
 STEP_OF = {DRAFT: 1, VERIFY: 2, DECIDE: 3, ADD: 4}  # which of the five steps a stage belongs to
 
@@ -31,6 +36,29 @@ class Stage:
 
 def _tok(text: str) -> str:
     return repr(text)
+
+
+def verdict(status: str) -> str:
+    """A draft's fate in the viewer's words: kept, rejected or not reached."""
+    return VERDICT.get(status, NOT_REACHED)
+
+
+def depth_of(event: RoundEvent) -> int:
+    """γ of a round: how deep its drafts go (a chain's length; a tree's levels)."""
+    return max(event.depths, default=0)
+
+
+def _name(event: RoundEvent, i: int) -> str:
+    """d3 in a chain; d4 (depth 2) in a tree, where a node's index and its depth differ."""
+    return f"d{i + 1} (depth {event.depths[i]})" if event.parents else f"d{i + 1}"
+
+
+def drafts_text(event: RoundEvent) -> str:
+    """'γ = 3 drafts' for a chain, 'a tree 3 deep (γ = 3) of 5 drafts' for a tree."""
+    n = len(event.drafted)
+    if event.parents:
+        return f"a tree {depth_of(event)} deep (γ = {depth_of(event)}) of {n} draft{'s' * (n != 1)}"
+    return f"γ = {n} draft{'s' * (n != 1)}"
 
 
 def tree_levels(event: RoundEvent) -> list[list[int]]:
@@ -78,7 +106,6 @@ def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
     for i, t in enumerate(event.drafted):
         if t.status not in (ACCEPTED, REJECTED):
             continue
-        verdict = "kept" if t.status == ACCEPTED else "rejected"
         if greedy:
             test = (f"it is the target's most likely token (p = {t.p:.3f})" if t.status == ACCEPTED
                     else f"the target's most likely token is another (p(d{i + 1}) = {t.p:.3f})")
@@ -89,21 +116,26 @@ def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
         else:
             sign = "<" if t.status == ACCEPTED else "≥"
             test = f"u = {t.u:.3f} {sign} min(1, p/q) = min(1, {t.p:.3f}/{t.q:.3f}) = {t.accept_prob:.3f}"
-        stages.append(Stage(DECIDE, i, f"d{i + 1} = {_tok(t.text)}: {test}, so it is {verdict}."))
+        stages.append(Stage(DECIDE, i, f"{_name(event, i)} = {_tok(t.text)}: {test}, so it is {verdict(t.status)}."))
     x = event.extra
     if x is None:
         stages.append(Stage(ADD, -1, "An accepted draft was the end-of-text token: the text ends there, nothing "
                                      "is added."))
     elif x.kind == CORRECTION:
-        n = event.n_accepted
+        n, rejected = event.n_accepted, [i for i, t in enumerate(event.drafted) if t.status == REJECTED]
         source = "the target's own most likely token" if greedy else "a sample from the residual norm(max(0, p − q))"
-        what = "Every draft tried after the kept path was rejected" if tree else f"d{n + 1} was rejected"
+        what = (f"{'No' if not n else 'After the kept path, no'} child tried at depth {n + 1} was kept "
+                f"({', '.join(_name(event, i) for i in rejected)} rejected)" if tree else f"d{n + 1} was rejected")
+        unreached = sum(t.status not in (ACCEPTED, REJECTED) for t in event.drafted)
+        rest = f", and {unreached} draft{'s' * (unreached != 1)} {NOT_REACHED}" if unreached else ""
         stages.append(Stage(ADD, -1, f"{what}: {source} takes its place, {_tok(x.text)} "
-                                     f"(p = {x.p:.3f}), and any later drafts are dropped."))
+                                     f"(p = {x.p:.3f}){rest}."))
     elif x.kind == BONUS:
-        kept = "The draft was kept" if event.gamma == 1 else f"All {event.gamma} drafts were kept"
-        stages.append(Stage(ADD, -1, f"{kept}: the target's p after the last one gives a bonus token for free: "
-                                     f"{_tok(x.text)} (p = {x.p:.3f})."))
+        n, total = event.n_accepted, len(event.drafted)
+        kept = ("The draft was kept" if total == 1 else f"All {total} drafts were kept") if n == total else (
+            f"The kept path ({n} of the {total} drafts) ends where the tree has no drafts below it")
+        stages.append(Stage(ADD, -1, f"{kept}: the target's p after the last kept draft gives a bonus token for "
+                                     f"free: {_tok(x.text)} (p = {x.p:.3f})."))
     else:
         stages.append(Stage(ADD, -1, f"The target's token: {_tok(x.text)} (p = {x.p:.3f})."))
     return stages
@@ -129,21 +161,26 @@ def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
     head = "".join(f"<th>d{i + 1}</th>" for i in range(len(event.drafted)))
     head += f"<th>{'added' if event.drafted else 'target'}</th>"
     test_row = "greedy test" if greedy else "min(1, p/q) vs u"
-    rows: dict[str, list[str]] = {"token": [], "q (draft)": [], "p (target)": [], test_row: [], "verdict": []}
+    tree = bool(event.parents)
+    rows: dict[str, list[str]] = {**({"depth": []} if tree else {}), "token": [], "q (draft)": [], "p (target)": [],
+                                  test_row: [], "verdict": []}
     level = event.depths  # a chain's drafts are one per depth: its draft stages are its positions
     for i, t in enumerate(event.drafted):
         drafted = level[i] <= drafted_upto + 1
         here = (now.position == i and now.kind == DECIDE) or (now.kind == DRAFT and level[i] == now.position + 1)
+        if tree:
+            rows["depth"].append(_cell(str(level[i]), True))
         rows["token"].append(_cell(_tok(t.text), drafted, here and now.kind == DRAFT))
         rows["q (draft)"].append(_cell(f"{t.q:.3f}", drafted))
         rows["p (target)"].append(_cell(f"{t.p:.3f}", verified, now.kind == VERIFY))
         test = ("argmax" if t.status == ACCEPTED else "not argmax") if greedy else (
             f"{t.accept_prob:.3f} vs {t.u:.3f}" if t.u is not None else "–")
         rows[test_row].append(_cell(test, i in decided, here and now.kind == DECIDE))
-        verdict = {ACCEPTED: "kept", REJECTED: "rejected"}.get(t.status, "dropped")
         shown = i in decided or (added and t.status not in (ACCEPTED, REJECTED))
-        rows["verdict"].append(_cell(verdict, shown, kind=t.status if shown else ""))
+        rows["verdict"].append(_cell(verdict(t.status), shown, kind=t.status if shown else ""))
     x = event.extra
+    if tree:
+        rows["depth"].append(_cell("", False))
     rows["token"].append(_cell(_tok(x.text) if x else "(end)", added, added, kind=x.kind if x else ""))
     rows["q (draft)"].append(_cell("" if x is None or x.q is None else f"{x.q:.3f}", added))
     rows["p (target)"].append(_cell("" if x is None else f"{x.p:.3f}", added or verified))
@@ -165,19 +202,25 @@ def how_it_works_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
     drafted = event.drafted
     upto = max([s.position for s in done if s.kind == DRAFT], default=-1)
     shown = [t for t, d in zip(drafted, event.depths, strict=True) if d <= upto + 1]
-    decisions = [f"d{s.position + 1} {'kept' if drafted[s.position].status == ACCEPTED else 'rejected'}"
-                 for s in done if s.kind == DECIDE]
+    decisions = [f"{_name(event, s.position)} {verdict(drafted[s.position].status)}" for s in done
+                 if s.kind == DECIDE]
     x = event.extra
-    rule = "keep it while it equals the target's most likely token" if greedy else (
-        "keep it if u < min(1, p/q), with u uniform on [0, 1)")
+    if event.parents:  # the rule walks the tree: a node's children in order, down from the first one kept
+        rule = ("from the last kept token, keep the child that equals the target's most likely token and go on "
+                "from it; stop where no child does" if greedy else
+                "from the last kept token, try its children in order, keeping one if u < its chance (p less what "
+                "the siblings tried before it took, over q); go on from the kept child, stop where none is kept")
+    else:
+        rule = ("for each draft in order, keep it while it equals the target's most likely token" if greedy else
+                "for each draft in order, keep it if u < min(1, p/q), with u uniform on [0, 1)")
+        rule += "; stop at the first rejection"
     steps = [
-        ("Draft", f"the drafter proposes γ = {event.gamma} token(s): "
+        ("Draft", f"the drafter proposes {drafts_text(event)}: "
                   + (", ".join(f"{_tok(t.text)} (q = {t.q:.2f})" for t in shown) or "…")),
         ("Verify", "one target forward pass over the last token and the drafts gives p at every position: "
                    + ", ".join(f"p(d{i + 1}) = {t.p:.2f}" for i, t in enumerate(drafted))
                    if drafted else "nothing drafted: one plain target step"),
-        ("Accept or reject", f"for each draft in order, {rule}; stop at the first rejection: "
-                             + (", ".join(decisions) or "nothing to test")),
+        ("Accept or reject", f"{rule}: " + (", ".join(decisions) or "nothing to test")),
         ("Add one token", "nothing (an accepted end-of-text)" if x is None else
                           f"{ADDED_NAME[x.kind]} token {_tok(x.text)} (p = {x.p:.2f})"),
         ("Roll back", f"{event.n_accepted + (x is not None)} token(s) join the text; the caches forget the rest: "
