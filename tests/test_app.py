@@ -48,10 +48,10 @@ def test_run_events_agree_with_the_stats_shown(app_url):
     status, spec_html, base_html, diff, stats, *_figs, _pick, download, race, _stage, _how = call(client)
     assert "done: 12 tokens" in status
     spec, base = load_runs(download)
-    counts, _, untested = stat(stats, "accepted / rejected / drafted").partition(" (")  # "3 / 1 / 8 (4 never tested)"
+    counts, _, untested = stat(stats, "accepted / rejected / drafted").partition(" (")  # "3 / 1 / 8 (4 not reached)"
     accepted, rejected, drafted = (int(x) for x in counts.split(" / "))
     assert (accepted, rejected, drafted) == (spec.n_accepted, spec.n_rejected, spec.n_drafted)
-    assert untested == (f"{spec.n_untested} never tested)" if spec.n_untested else "")
+    assert untested == (f"{spec.n_untested} not reached)" if spec.n_untested else "")
     assert int(stat(stats, "rounds (target passes)")) == len(spec.events)
     assert int(stat(stats, "baseline target passes")) == base.n_tokens == 12
     assert spec_html.count("sv-accepted") == accepted and spec_html.count("sv-rejected") == rejected
@@ -302,6 +302,9 @@ def test_a_replayed_trace_steps_like_a_live_run(app_url, tmp_path):
     args = ("ignored: a replay steps its own run", "offline", "", "", 2, 0.0, 0, 1.0, 0, 6, True, False)
     outputs = client.predict(*args, api_name="/step")
     assert caption(outputs).startswith("Round 1, stage 1 of")
+    assert outputs[1].count("sv-tok") == 0  # stage 1 tells nothing of the round's outcome yet
+    for _ in range(int(re.search(r"stage 1 of (\d+)", caption(outputs)).group(1)) - 1):
+        outputs = client.predict(*args, api_name="/next")
     assert outputs[1].count("sv-tok") == spec.events[0].n_accepted + spec.events[0].n_rejected + 1
     bad = json.loads(open(download).read())
     bad["runs"][0]["events"][0]["n_accepted"] = "2"

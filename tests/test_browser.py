@@ -173,6 +173,8 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
 
         first = timed(page, lambda: page.locator("#step-btn").click(), "Round 1, stage 1 of")
         assert "The drafter proposes d1" in page.locator(CAPTION).inner_text()
+        tokens = page.locator("#spec-stream .sv-tok")
+        assert tokens.count() == 0  # stage 1: the stream does not give the round's outcome away
         assert page.locator("#stage-view td.sv-cur").count() == 1  # the stage's own cell is marked
         stages = int(re.search(r"stage 1 of (\d+)", page.locator(CAPTION).inner_text()).group(1))
         page.locator("body").click(position={"x": 5, "y": 5})  # focus off any field: the key is for the page
@@ -180,12 +182,15 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
             stage_s = timed(page, lambda: page.keyboard.press("n"), f"Round 1, stage {stage} of")
         text = page.locator(CAPTION).inner_text()
         assert "takes its place" in text or "bonus" in text or "end-of-text" in text  # the added token is last
+        told = tokens.count()
+        assert told >= 1  # the round's tokens, now that its last stage has told them
         how = page.locator("#how-it-works").inner_text()
         assert all(step in how for step in ("Draft", "Verify", "Accept or reject", "Add one token", "Roll back"))
         assert "u = " in page.locator("#stage-view").inner_text() or "vs" in page.locator("#stage-view").inner_text()
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(STEP_SHOT), full_page=False)
         next_round = timed(page, lambda: page.keyboard.press("n"), "Round 2, stage 1 of")  # a live round
+        assert tokens.count() == told  # round 1's tokens, none of round 2's yet
         again = timed(page, lambda: page.locator("#step-btn").click(), "Round 3, stage 1 of")
         print(f"\nstep mode: first Step {first:.2f} s (starts the run), a stage {stage_s:.2f} s, "
               f"the next round by key {next_round:.2f} s, by Step {again:.2f} s")

@@ -245,7 +245,7 @@ def test_a_sampled_first_run_chooses_by_the_tokens_per_round_measured_when_sampl
     drafter, gamma, branch, nodes, note = page.first_run_values("p")
     assert (drafter, gamma, branch, nodes) == ("eagle", 4, 4, 8)
     # the line a projector shows is short; why it was chosen is on hover
-    assert f">This machine's choice: eagle, tree 4x4:8, expected {greedy.expected:.2f}x here.</div>" in note
+    assert f">This machine&#x27;s choice: eagle, tree 4x4:8, expected {greedy.expected:.2f}x here.</div>" in note
     assert 'title="chosen for this machine' in note
     assert f"With a temperature above 0, eagle at γ = 2 is expected fastest here ({sampled.expected:.2f}x)." in note
     assert "With a temperature of 0, eagle as a tree" in page.first_run_values("p", sampled=True)[4]

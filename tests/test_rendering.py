@@ -71,8 +71,8 @@ def test_summaries():
     untested = DraftedToken(3, "x", 0.2, 0.1, 0.5, None, "unverified")
     run.events[0] = dataclasses.replace(first, gamma=3, drafted=[*first.drafted, untested])
     assert run.n_untested == 1 and run.acceptance_rate == 0.75
-    assert "3 / 1 / 5 (1 never tested)</b>" in stats_html(run)
-    assert "(3 accepted, 1 rejected, 1 never tested of 5 drafted)" in summary(run)
+    assert "3 / 1 / 5 (1 not reached)</b>" in stats_html(run)
+    assert "(3 accepted, 1 rejected, 1 not reached of 5 drafted)" in summary(run)
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
 

@@ -5,6 +5,7 @@ import dataclasses
 import html
 import re
 
+import gradio as gr
 import pytest
 from conftest import words
 
@@ -173,3 +174,32 @@ def test_a_chain_keeps_its_words():
     assert stages[-1].caption.startswith("All 2 drafts were kept")
     final = how_it_works_html(chain, meta, len(stages) - 1)
     assert "proposes γ = 2 drafts" in final and "stop at the first rejection: d1 kept, d2 kept" in final
+
+
+def test_step_mode_tells_a_rounds_outcome_only_from_the_stage_that_decides_it(random_pair):
+    """While a round is stepped through, the stream shows its drafts only once decided and its added token at its
+    last stage; the stats and charts count the round from its last stage; a step back hides it again."""
+    from specviz.core.events import Run
+    from specviz.ui.view import CHARTS, OUTPUT_NAMES, View
+
+    meta = generate(random_pair, "", Settings(gamma=2, max_new_tokens=2), prompt_ids=words(1, 2)).meta
+    event = _tree_round(meta, ["accepted", "unverified", "unverified", "rejected", "rejected"],
+                        ExtraToken(7, "fix", "correction", 0.6, 0.1), 1)
+    run = Run(meta, [event])
+    stages = round_stages(event, meta)
+    last = len(stages) - 1
+    for k in range(len(stages)):
+        view = View(spec=run, stage=k)
+        out = dict(zip(OUTPUT_NAMES, view.stage_outputs(), strict=True))
+        decided = {s.position for s in stages[: k + 1] if s.kind == DECIDE}
+        stream = out["spec_html"]
+        assert ('title="round 4, draft position 1' in stream) == (0 in decided)  # d1, once decided
+        assert ("sv-correction" in stream) == (k == last)
+        assert ("<b>1 / 2 / 5 " in out["stats"]) == (k == last)  # kept / rejected / drafted, counted at the end
+        charted = all(out[name] != gr.skip() for name in CHARTS)
+        assert charted == (k >= last - 1)  # redrawn where the round starts or stops counting
+        if charted:  # before its last stage the only round is not counted yet: the charts' empty frames
+            empty = "annotations" in out["fig_rounds"]["layout"]
+            assert empty == (k < last)
+    full = dict(zip(OUTPUT_NAMES, View(spec=run).outputs(), strict=True))  # not stepping: the whole round
+    assert "sv-correction" in full["spec_html"] and "<b>1 / 2 / 5 " in full["stats"]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import gradio as gr
 
-from ..core.events import Run
+from ..core.events import UNVERIFIED, Run
 from ..view import charts
 from ..view.rendering import diff_html, first_difference, stats_html, stream_html
-from ..view.stages import how_it_works_html, round_stages, stage_html, tree_view
+from ..view.stages import DECIDE, how_it_works_html, round_stages, stage_html, tree_view
 
 # what a run's handlers fill, in order (app.py maps each name to its component)
 OUTPUT_NAMES = ("status", "spec_html", "base_html", "diff_box", "stats", "fig_rounds", "fig_time", "fig_position",
@@ -35,6 +35,29 @@ class View:
     base: Run | None = None
     show_rounds: bool = False
     stage: int | None = None  # the stage the last round is shown at (None: all of it)
+
+    def _stepping(self) -> tuple[int, int] | None:
+        """(stage, stages) of the last round while it is stepped through before its last stage, else None: its
+        outcome is then still to be told."""
+        if self.stage is None or self.spec is None or not self.spec.events:
+            return None
+        stages = len(round_stages(self.spec.events[-1], self.spec.meta))
+        return (self.stage, stages) if self.stage < stages - 1 else None
+
+    def streamed(self) -> Run | None:
+        """The speculative run as its stream shows it: while a round is stepped through, its drafts only once
+        decided and its added token only at its last stage."""
+        if (at := self._stepping()) is None:
+            return self.spec
+        event = self.spec.events[-1]
+        decided = {s.position for s in round_stages(event, self.spec.meta)[: at[0] + 1] if s.kind == DECIDE}
+        drafted = [t if i in decided else replace(t, status=UNVERIFIED) for i, t in enumerate(event.drafted)]
+        return replace(self.spec, events=[*self.spec.events[:-1], replace(event, drafted=drafted, extra=None)])
+
+    def counted(self) -> Run | None:
+        """The speculative run as the stats and charts count it: a round stepped through counts from its last
+        stage on."""
+        return self.spec if self._stepping() is None else replace(self.spec, events=self.spec.events[:-1])
 
     def round_view(self) -> tuple[str, str]:
         """The last round shown, stage by stage, and the five steps with its numbers."""
@@ -67,10 +90,10 @@ class View:
             picker = gr.update(choices=choices, value=first_rejected)
         return (
             self.status,
-            stream_html(self.spec, self.show_rounds, diff_at),
+            stream_html(self.streamed(), self.show_rounds, diff_at),
             stream_html(self.base, self.show_rounds, diff_at) if self.base else "",
             diff_html(self.spec, self.base) if self.spec and self.base else "",
-            stats_html(self.spec, self.base),
+            stats_html(self.counted(), self.base),
             *(self.figures() if with_charts or final else [gr.skip()] * len(CHARTS)),
             self.round_tree(),
             runs,
@@ -82,15 +105,24 @@ class View:
 
     def figures(self) -> list:
         """The five charts under the streams, in CHARTS order (frames saying so before a run)."""
-        figures = [charts.tokens_per_round(self.spec), charts.tokens_over_time(self.spec, self.base),
-                   charts.acceptance_by_position(self.spec), charts.speedup_curve(self.spec, self.base),
-                   charts.cache_lengths(self.spec)]
-        return figures if self.spec is not None else [waiting(figure) for figure in figures]
+        spec = self.counted()
+        figures = [charts.tokens_per_round(spec), charts.tokens_over_time(spec, self.base),
+                   charts.acceptance_by_position(spec), charts.speedup_curve(spec, self.base),
+                   charts.cache_lengths(spec)]
+        return figures if spec is not None and spec.events else [waiting(figure) for figure in figures]
 
     def stage_outputs(self) -> tuple:
-        """Only the status, the round view and its tree change (a stage within a shown round)."""
+        """A stage within a shown round: the status, the round view and its tree, the stream as far as the round
+        is decided, and the stats; the charts only where the round starts or stops counting (its last stage, and
+        the one before, where Back returns to)."""
         round_box, how_box = self.round_view()
-        shown = {"status": self.status, "fig_tree": self.round_tree(), "round_box": round_box, "how_box": how_box}
+        shown = {"status": self.status, "fig_tree": self.round_tree(), "round_box": round_box, "how_box": how_box,
+                 "spec_html": stream_html(self.streamed(), self.show_rounds, greedy_diff(self.spec, self.base)),
+                 "stats": stats_html(self.counted(), self.base)}
+        if self.spec is not None and self.spec.events and self.stage is not None:
+            last = len(round_stages(self.spec.events[-1], self.spec.meta)) - 1
+            if self.stage >= last - 1:
+                shown.update(zip(CHARTS, self.figures(), strict=True))
         return tuple(shown.get(name, gr.skip()) for name in OUTPUT_NAMES)
 
 

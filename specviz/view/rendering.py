@@ -52,7 +52,7 @@ def summary(run: Run) -> str:
         lines.append(
             f"  acceptance rate {'n/a' if alpha is None else f'{alpha:.1%}'} "
             f"({run.n_accepted} accepted, {run.n_rejected} rejected"
-            f"{f', {run.n_untested} never tested' if run.n_untested else ''} of {run.n_drafted} drafted), "
+            f"{f', {run.n_untested} not reached' if run.n_untested else ''} of {run.n_drafted} drafted), "
             f"{run.tokens_per_round:.2f} tokens per round over {count(len(run.events), 'round')} ({gamma_label(run)})"
             + (f", {run.copied_rounds} of them drafted by prompt lookup" if run.copied_rounds else "")
         )
@@ -197,7 +197,7 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         ("γ", gamma_label(spec)),
         ("acceptance rate α̂", "–" if alpha is None else f"{alpha:.1%}"),
         ("accepted / rejected / drafted", f"{spec.n_accepted} / {spec.n_rejected} / {spec.n_drafted}"
-                                          + (f" ({spec.n_untested} never tested)" if spec.n_untested else "")),
+                                          + (f" ({spec.n_untested} not reached)" if spec.n_untested else "")),
         ("mean tokens per round", f"{spec.tokens_per_round:.2f}"),
         ("rounds (target passes)", str(spec.target_passes)),
         ("speculative tokens/s", f"{spec.tokens_per_s:.1f}"),
