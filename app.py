@@ -17,6 +17,7 @@ import signal
 
 import gradio as gr
 
+from specviz.core.events import MAX_TRACE_MB
 from specviz.core.generator import HEAD_DRAFTERS, MAX_BRANCH, Settings, compile_by_default, generate
 from specviz.models.loading import PRESETS
 from specviz.ui import handlers, stepping
@@ -274,7 +275,7 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
 def launch(**kwargs):
     """Queue and launch with the app's CSS and script (Gradio 6 takes them at launch)."""
     demo.queue(max_size=QUEUE_SIZE)
-    return demo.launch(css=CSS, js=PAGE_JS, show_error=True, **kwargs)
+    return demo.launch(css=CSS, js=PAGE_JS, show_error=True, max_file_size=f"{MAX_TRACE_MB}mb", **kwargs)
 
 
 @on_device  # the thread that runs the page's model calls (specviz/ui/device.py)

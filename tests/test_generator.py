@@ -187,6 +187,11 @@ def test_run_round_trips_through_json(random_pair, tmp_path):
     (("meta", "prompt_ids"), [1, "x"], "runs[0].meta.prompt_ids[1] must be a whole number"),
     (("meta", "compiled"), 1, "runs[0].meta.compiled must be true or false, got 1"),
     (("events",), {}, "runs[0].events must be a list, got {}"),
+    # every number held to what a run can be, as its settings are
+    (("events", 0, "gamma"), 10**9, "runs[0].events[0].gamma must be at most 63, got 1000000000"),
+    (("meta", "max_new_tokens"), 10**6, "runs[0].meta.max_new_tokens must be at most 4,096"),
+    (("meta", "batch_size"), 17, "runs[0].meta.batch_size must be at most 16, got 17"),
+    (("events", 0, "drafted"), [{}] * 64, "runs[0].events[0].drafted holds 64 entries; a run's has at most 63"),
 ])
 def test_a_trace_with_a_wrong_field_is_refused_by_name(random_pair, path, value, message):
     import json
@@ -214,6 +219,36 @@ def test_a_trace_with_a_missing_or_unknown_field_is_refused_by_name(random_pair)
     data["runs"][0]["meta"]["colour"] = "red"
     with pytest.raises(ValueError, match="runs\\[0\\]\\.meta has an unknown field 'colour'"):
         runs_from_json(json.dumps(data))
+
+
+def test_a_forged_trace_file_is_refused_in_one_sentence(random_pair, tmp_path, monkeypatch):
+    """Too large, nested too deep, not UTF-8, too many runs: each refused with one readable sentence, before any
+    of it is read into runs."""
+    import json
+
+    from specviz.core import events
+
+    run = generate(random_pair, "a prompt", Settings(gamma=2, max_new_tokens=4), prompt_ids=words(1, 2))
+    good = tmp_path / "good.json"
+    save_runs(good, [run])
+    monkeypatch.setattr(events, "MAX_TRACE_MB", good.stat().st_size / 2**20 / 2)  # this file is twice the limit
+    with pytest.raises(ValueError, match=r"^not a specviz trace: the file is \d+ MB, and a trace of the longest run "
+                                         r"is under"):
+        load_runs(good)
+    monkeypatch.undo()
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"format": "specviz-trace/1", "runs": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match="^not a specviz trace: its JSON nests far deeper than a trace does$"):
+        load_runs(deep)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(text := b'{"format": "specviz-trace/1", "runs": ["caf\xe9"]}')  # Latin-1, not UTF-8
+    with pytest.raises(ValueError, match=r"^not a specviz trace: the file is not UTF-8 text \(byte 0xe9 at position "
+                                         rf"{text.index(0xe9)}\)$"):
+        load_runs(latin)
+    many = tmp_path / "many.json"
+    many.write_text(json.dumps({"format": "specviz-trace/1", "runs": [run.to_dict()] * 33}))
+    with pytest.raises(ValueError, match="^not a specviz trace: 33 runs, where a trace holds at most 32$"):
+        load_runs(many)
 
 
 def test_baseline_events_have_the_speculative_shape(random_pair):

@@ -35,6 +35,17 @@ def register_html(draw) -> None:
 
 TRACE_FORMAT = "specviz-trace/1"
 
+# What a run can be (Settings.validate holds a run's settings to them; a loaded trace's fields are held to them too)
+MAX_GAMMA = 32
+MAX_NEW_TOKENS = 4096
+MAX_SEED = 2**63 - 1
+MAX_BATCH = 16
+MAX_BRANCH = 8
+MAX_NODES = 63  # a verify pass of at most 64 tokens
+# a trace of the page's longest run (spec and baseline, 4,096 tokens, 8 candidates a token) is about 20 MB: a file
+# far larger is no trace of specviz's, and reading it would hold the server for a minute
+MAX_TRACE_MB = 32
+
 ACCEPTED, REJECTED, UNVERIFIED = "accepted", "rejected", "unverified"
 CORRECTION, BONUS, TARGET = "correction", "bonus", "target"
 
@@ -273,6 +284,12 @@ _AT_LEAST = {"index": 0, "gamma": 0, "n_accepted": 0, "target_cache_len": 0, "dr
              "tokens_so_far": 0, "draft_ms": 0, "verify_ms": 0, "elapsed_ms": 0, "id": 0, "vocab_size": 1,
              "max_new_tokens": 1, "gamma_max": 0, "batch_size": 1, "prefill_ms": 0, "temperature": 0, "top_k": 0,
              "parents": -1, "branch": 1, "nodes": 0}
+_AT_MOST = {"index": MAX_NEW_TOKENS, "tokens_so_far": MAX_NEW_TOKENS, "max_new_tokens": MAX_NEW_TOKENS,
+            "gamma": max(MAX_GAMMA, MAX_NODES), "n_accepted": max(MAX_GAMMA, MAX_NODES), "gamma_max": MAX_GAMMA,
+            "batch_size": MAX_BATCH, "branch": MAX_BRANCH, "nodes": MAX_NODES, "parents": MAX_NODES, "seed": MAX_SEED,
+            "temperature": 100.0, "id": 2**31 - 1, "vocab_size": 2**31 - 1, "top_k": 2**31 - 1}
+# the longest list a field may hold (a round drafts at most MAX_NODES; a run has at most MAX_NEW_TOKENS rounds)
+_LONGEST = {"events": MAX_NEW_TOKENS, "drafted": MAX_NODES, "parents": MAX_NODES, "top": 1024}
 _PROBABILITIES = {"p", "q", "accept_prob", "u", "residual", "top_p", "score"}
 _CHOICES = {"status": (ACCEPTED, REJECTED, UNVERIFIED), "kind": (CORRECTION, BONUS, TARGET),
             "mode": ("speculative", "baseline"), "finish_reason": (None, "eos", "length"),
@@ -313,6 +330,8 @@ def _value(hint: Any, value: Any, where: str, name: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{where} must be a list, got {_shown(value)}")
+        if name in _LONGEST and len(value) > _LONGEST[name]:
+            raise ValueError(f"{where} holds {len(value):,} entries; a run's has at most {_LONGEST[name]:,}")
         return [_value(args[0], v, f"{where}[{i}]", name) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -333,6 +352,8 @@ def _value(hint: Any, value: Any, where: str, name: str) -> Any:
             raise ValueError(f"{where} must be text, got {_shown(value)}")
     if name in _AT_LEAST and value < _AT_LEAST[name]:
         raise ValueError(f"{where} must be at least {_AT_LEAST[name]}, got {_shown(value)}")
+    if name in _AT_MOST and value > _AT_MOST[name]:
+        raise ValueError(f"{where} must be at most {_AT_MOST[name]:,}, got {_shown(value)}")
     if name in _PROBABILITIES and not 0 <= value <= 1 + 1e-6:  # rounding may pass 1 by an ulp
         raise ValueError(f"{where} must be a probability (0 to 1), got {_shown(value)}")
     if name in _CHOICES and value not in _CHOICES[name]:
@@ -355,11 +376,15 @@ def runs_from_json(text: str) -> list[Run]:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"not a specviz trace: invalid JSON ({err})") from err
+    except RecursionError:  # a trace nests four levels deep; this is a forged or broken file
+        raise ValueError("not a specviz trace: its JSON nests far deeper than a trace does") from None
     if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
         raise ValueError(f"not a specviz trace: expected format {TRACE_FORMAT!r}")
     runs = data.get("runs")
     if not isinstance(runs, list) or not runs:
         raise ValueError("not a specviz trace: 'runs' must be a non-empty list")
+    if len(runs) > 2 * MAX_BATCH:  # a batch's rows and their baselines at most
+        raise ValueError(f"not a specviz trace: {len(runs)} runs, where a trace holds at most {2 * MAX_BATCH}")
     try:
         return [Run.from_dict(r, f"runs[{i}]") for i, r in enumerate(runs)]
     except ValueError as err:
@@ -371,7 +396,19 @@ def save_runs(path: str | Path, runs: list[Run]) -> None:
 
 
 def load_runs(path: str | Path) -> list[Run]:
-    return runs_from_json(Path(path).read_text(encoding="utf-8"))
+    """A trace file's runs; ValueError, in one sentence, for a file too large, not UTF-8 text or not a trace."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_TRACE_MB * 2**20:
+        raise ValueError(f"not a specviz trace: the file is {size / 2**20:.0f} MB, and a trace of the longest run "
+                         f"is under {MAX_TRACE_MB} MB")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not a specviz trace: the file is not UTF-8 text (byte 0x{data[err.start]:02x} at "
+                         f"position {err.start:,})") from None
+    return runs_from_json(text)
 
 
 def save_trace(folder: str | Path, runs: list[Run], keep: int = 64) -> Path:

@@ -40,6 +40,12 @@ from .events import (
     ACCEPTED,
     BONUS,
     CORRECTION,
+    MAX_BATCH,
+    MAX_BRANCH,
+    MAX_GAMMA,
+    MAX_NEW_TOKENS,
+    MAX_NODES,
+    MAX_SEED,
     REJECTED,
     TARGET,
     UNVERIFIED,
@@ -61,13 +67,6 @@ from .sampling import (
     wide_dtype,
 )
 from .schedules import POLICIES, make_policy
-
-MAX_GAMMA = 32
-MAX_NEW_TOKENS = 4096
-MAX_SEED = 2**63 - 1
-MAX_BATCH = 16
-MAX_BRANCH = 8
-MAX_NODES = 63  # a verify pass of at most 64 tokens
 
 
 def compile_by_default() -> bool:
