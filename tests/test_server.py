@@ -279,3 +279,28 @@ def test_sigterm_stops_the_app_and_removes_its_trace_files(tmp_path):
         proc.kill()
     assert proc.returncode == 0, said
     assert not list(served.rglob("specviz-*")), said
+
+
+def test_a_long_action_stops_at_the_servers_time_limit_and_says_where(monkeypatch):
+    """Sample N and the float32 check run through `bounded`: past the time limit the work is closed (as Stop
+    closes it) and the last line says where it stopped; with no limit it runs to its end."""
+    from specviz.ui import handlers
+
+    closed = []
+
+    def work():
+        try:
+            for i in range(1, 6):
+                time.sleep(0.01)
+                yield f"{i} of 5 draws"
+            yield "the result"
+        finally:
+            closed.append(True)
+
+    monkeypatch.setattr(handlers, "TIME_LIMIT_S", 0.025)
+    said = list(handlers.bounded(work(), "sampling"))
+    assert isinstance(said[-1], handlers.TimeUp) and closed == [True]
+    assert said[-1].startswith("Stopped at this server's time limit (0 s) while sampling, at ") and len(said) < 6
+    assert said[-1].endswith(f", at {said[-2]}.")
+    monkeypatch.setattr(handlers, "TIME_LIMIT_S", 0)
+    assert list(handlers.bounded(work(), "sampling"))[-1] == "the result"

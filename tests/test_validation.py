@@ -64,8 +64,38 @@ def test_a_missing_folder_is_named_before_any_model_loads(monkeypatch, tmp_path)
     for ref in (str(tmp_path / "no-model"), "./no-model", "~/no-model"):
         with pytest.raises(ValueError, match=f"no model folder at {re.escape(ref)}"):
             resolve_model_path(ref)
+    monkeypatch.setattr(loading, "hub_reachable", lambda: True)
     assert resolve_model_path("org/model-name") == "org/model-name"  # a hub id is left to the hub
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+
+
+def test_a_hub_id_fails_at_once_where_the_hub_cannot_be_reached(monkeypatch, tmp_path):
+    """Offline, a hub id not in the local cache is refused within seconds, saying why (not after the hub client's
+    minute of retries); one in the cache loads from there."""
+    import socket
+    import time
+
+    from huggingface_hub import constants
+
+    from specviz.models import loading
+
+    def refused(*args, **kwargs):
+        time.sleep(0.05)
+        raise OSError("no route")
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"cannot reach the model hub \(huggingface.co\) to download 'gpt2', and "
+                                         r"it is not in the local cache: this machine looks offline"):
+        load_pair("gpt2", "distilgpt2", device="cpu", dtype="float32")
+    assert time.perf_counter() - started < 5
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--cached" / "refs" / "main").write_text("abc")
+    assert loading.resolve_model_path("org/cached") == str(snapshot)
 
 
 def test_missing_local_model_is_a_value_error(tmp_path):

@@ -369,7 +369,44 @@ def resolve_model_path(ref: str, progress: Progress = _quiet) -> str:
         raise ValueError(f"unknown offline model {ref!r}; known: {', '.join(OFFLINE_MODELS)}")
     if ref.startswith(("/", "./", "../", "~")) and not Path(ref).expanduser().is_dir():  # a path, not a hub id
         raise ValueError(f"no model folder at {ref}: a local model is a directory with config.json and weights")
-    return str(Path(ref).expanduser()) if ref.startswith("~") else ref
+    if Path(ref).expanduser().is_dir():
+        return str(Path(ref).expanduser())
+    return _from_hub(ref)
+
+
+def _from_hub(ref: str) -> str:
+    """A hub id as transformers should load it: itself where the hub answers; its files in the local HF cache
+    where it does not; else a ValueError at once. Unreachable, the hub client retries for about a minute."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(ref, "config.json")
+    if constants.HF_HUB_OFFLINE or not hub_reachable():
+        if isinstance(cached, str):
+            return str(Path(cached).parent)  # the cached snapshot: loads with no network
+        raise ValueError(f"cannot reach the model hub ({_hub_host()[0]}) to download {ref!r}, and it is not in the "
+                         "local cache: this machine looks offline. The offline preset, or a local model folder, "
+                         "runs without it.")
+    return ref
+
+
+def _hub_host() -> tuple[str, int]:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the model hub accepts a connection within timeout_s."""
+    import socket
+
+    try:
+        socket.create_connection(_hub_host(), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def load_model(ref: str, device: torch.device, dtype: torch.dtype, progress: Progress = _quiet,

@@ -239,6 +239,26 @@ def continue_run(show_rounds, request: gr.Request = None):
 # --- lossless, visible ---------------------------------------------------------------------------
 
 
+def bounded(work: Iterator, what: str) -> Iterator:
+    """work's items until the server's time limit (TIME_LIMIT_S; 0: none) has passed since it started; then it is
+    closed (as Stop closes it) and a last item says where it stopped: a long action holds the one generation slot
+    no longer than a run may."""
+    started = time.perf_counter()
+    last = ""
+    for item in work:
+        if TIME_LIMIT_S and time.perf_counter() - started > TIME_LIMIT_S:
+            work.close()
+            yield TimeUp(f"Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s) while {what}"
+                         + (f", at {last}" if last else "") + ".")
+            return
+        last = item if isinstance(item, str) else last
+        yield item
+
+
+class TimeUp(str):
+    """The line `bounded` ends a long action with."""
+
+
 @on_gpu
 def check_float32(runs, preset, custom_target, custom_draft):
     """Run the shown greedy pair of runs again in float32: do the texts then agree token for token?"""
@@ -249,7 +269,10 @@ def check_float32(runs, preset, custom_target, custom_draft):
         return
     try:
         page = Page(preset=preset, custom_target=custom_target, custom_draft=custom_draft)
-        for said in float32_recheck(page.pair(dtype="float32"), spec):
+        for said in bounded(float32_recheck(page.pair(dtype="float32"), spec), "rerunning in float32"):
+            if isinstance(said, TimeUp):
+                yield note_html(said)
+                return
             if isinstance(said, str):
                 yield note_html(f"Rerunning in float32… {said}")
             else:
@@ -275,7 +298,10 @@ def sample_n(page: Page):
             raise ValueError(f"N must be in [1, {MAX_SAMPLES_UI}] here, got {n}")
         settings = page.settings(gamma_policy="fixed", max_new_tokens=2)
         check_request(page.prompt, settings)
-        for said in sample_check_live(page.pair(), page.prompt, settings, n):
+        for said in bounded(sample_check_live(page.pair(), page.prompt, settings, n), "sampling"):
+            if isinstance(said, TimeUp):
+                yield note_html(f"{said} A smaller N fits in it."), charts.sample_histogram(None)
+                return
             if isinstance(said, str):
                 yield note_html(f"Sampling… {said} (Stop ends it)"), gr.skip()
             else:
