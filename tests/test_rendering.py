@@ -1,6 +1,7 @@
 """The UI's building blocks: escaped HTML, hover text, charts that keep their zoom, the theory."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -143,3 +144,16 @@ def test_counts_read_as_english():
     """A one-token run or first round says '1 token', not '1 tokens'."""
     assert [count(1), count(2), count(0), count(4096), count(1, "round")] == [
         "1 token", "2 tokens", "0 tokens", "4,096 tokens", "1 round"]
+
+
+def test_control_tokens_show_as_what_they_are_and_line_breaks_as_a_mark():
+    """A chat template's <|im_end|> (or </s>) is drawn as a badge naming it, not as markup; a token's line break
+    keeps its break with a ⏎ before it; other text stays escaped."""
+    run = make_run()
+    run.events[0] = dataclasses.replace(run.events[0], extra=ExtraToken(7, "<|im_end|>", "correction", 0.5, 0.1))
+    run.events[1].drafted[0] = dataclasses.replace(run.events[1].drafted[0], text="end.\n")
+    page = stream_html(run)
+    drawn = re.sub(r'title="[^"]*"', "", page)  # what the page draws, the hovers aside
+    assert '<span class="sv-special">⟨im_end⟩</span>' in drawn and "im_end|" not in drawn
+    assert ">end.⏎\n</span>" in page
+    assert "&lt;script&gt;" in page  # the rest escaped as before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from statistics import median
 
 from ..core.events import BONUS, CORRECTION, REJECTED, ExactCheck, RoundEvent, Run
@@ -103,6 +104,8 @@ CSS = """
 .sv-bonus { background: #eadcf3; color: #5b2c6f; }
 .sv-target { background: #eeeeee; color: #222; }
 .sv-diff { outline: 2px solid #f39c12; }
+.sv-special { font-size: 0.75em; border: 1px solid currentColor; border-radius: 3px; padding: 0 2px;
+              text-decoration: none; display: inline-block; }
 .sv-round { color: #aaa; font-size: 11px; padding: 0 2px; user-select: none; }
 .sv-legend { line-height: 2; }
 .sv-legend span { margin-right: 6px; padding: 2px 6px; display: inline-block; white-space: nowrap; }
@@ -137,10 +140,27 @@ def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.4f}"
 
 
+# a tokenizer's control tokens as their text reads them (<|im_end|>, <|endoftext|>, </s>): drawn as a small badge
+# naming what they are, not as markup, which a viewer reads as garbled text (and, struck through, as noise)
+SPECIAL = re.compile(r"<\|([^|<>]{1,40})\|>|</?s>")
+
+
+def shown(text: str) -> str:
+    """A token's text as HTML: control tokens as badges (⟨im_end⟩), a line break with a ⏎ before it."""
+    out, at = [], 0
+    for match in SPECIAL.finditer(text):
+        out.append(html.escape(text[at:match.start()]))
+        name = match.group(1) or ("end" if match.group(0) == "</s>" else "start")
+        out.append(f'<span class="sv-special">⟨{html.escape(name)}⟩</span>')
+        at = match.end()
+    out.append(html.escape(text[at:]))
+    return "".join(out).replace("\n", "⏎\n")
+
+
 def _span(text: str, kind: str, title: str, extra_class: str = "", style: str = "") -> str:
     cls = f"sv-tok {_KIND_CLASS[kind]} {extra_class}".strip()
     style_attr = f' style="{style}"' if style else ""
-    return f'<span class="{cls}" title="{html.escape(title)}"{style_attr}>{html.escape(text)}</span>'
+    return f'<span class="{cls}" title="{html.escape(title)}"{style_attr}>{shown(text)}</span>'
 
 
 SPECULATIVE_KINDS = (("accepted draft", "accepted"), ("rejected draft", REJECTED), ("correction", CORRECTION),
