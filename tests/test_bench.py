@@ -151,6 +151,7 @@ def test_saved_results_are_named_by_machine_class_and_render_into_the_report(pat
     data = json.loads((tmp_path / "benchmarks" / f"{name}.json").read_text())
     env = data["environment"]
     assert env["class"] == kernels.cpu_class() and env["commit"] and env["date"].startswith("20")
+    assert env["kernels"] and env["cpu"].startswith(kernels.machine()["cpu"])  # the kernels it chose, on a CPU
     assert data["run"]["max_new_tokens"] == 6 and data["run"]["repeats"] == 1 and len(data["rows"]) == 2
 
     (tmp_path / "README.md").write_text(f"intro\n{report.README_START}\nold\n{report.README_END}\nrest\n")

@@ -287,7 +287,7 @@ _AT_LEAST = {"index": 0, "gamma": 0, "n_accepted": 0, "target_cache_len": 0, "dr
 _AT_MOST = {"index": MAX_NEW_TOKENS, "tokens_so_far": MAX_NEW_TOKENS, "max_new_tokens": MAX_NEW_TOKENS,
             "gamma": max(MAX_GAMMA, MAX_NODES), "n_accepted": max(MAX_GAMMA, MAX_NODES), "gamma_max": MAX_GAMMA,
             "batch_size": MAX_BATCH, "branch": MAX_BRANCH, "nodes": MAX_NODES, "parents": MAX_NODES, "seed": MAX_SEED,
-            "temperature": 100.0, "id": 2**31 - 1, "vocab_size": 2**31 - 1, "top_k": 2**31 - 1}
+            "id": 2**31 - 1, "vocab_size": 2**31 - 1, "top_k": 2**31 - 1}
 # the longest list a field may hold (a round drafts at most MAX_NODES; a run has at most MAX_NEW_TOKENS rounds)
 _LONGEST = {"events": MAX_NEW_TOKENS, "drafted": MAX_NODES, "parents": MAX_NODES, "top": 1024}
 _PROBABILITIES = {"p", "q", "accept_prob", "u", "residual", "top_p", "score"}

@@ -581,10 +581,10 @@ def environment(pair: ModelPair, others: float | None = None) -> dict:
         env["head"] = pair.head_name
     if pair.device.type == "cpu":
         env["cpu"], env["class"] = kernels.describe_machine(), kernels.cpu_class()
-    elif pair.device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(pair.device)
         chosen = kernels.summary(pair.dtype)
         env["kernels"], env["drafting_kernels"] = chosen["choice"], chosen["drafting"]
+    elif pair.device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(pair.device)
     if others is not None:
         env["taken by other processes"] = f"{others:.0%} of the CPU time specviz needed"
     env["commit"], env["date"] = _commit(), time.strftime("%Y-%m-%d", time.gmtime())
