@@ -223,6 +223,11 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
         title = page.locator("#chart-tree .gtitle").text_content()
         assert "drafts as a tree" in title and "kept" in title, title
         page.locator("#chart-tree").screenshot(path=str(SCREENSHOT.with_name("tree-round.png")))
+        page.get_by_label("projector (large type)").check()  # on a projector's 1280x720 the tree keeps off the table
+        page.wait_for_function("document.body.classList.contains('sv-projector')", timeout=30_000)
+        page.set_viewport_size({"width": 1280, "height": 720})
+        table, tree = page.locator("#stage-view table").bounding_box(), page.locator("#chart-tree").bounding_box()
+        assert table["y"] + table["height"] <= tree["y"] or table["x"] + table["width"] <= tree["x"], (table, tree)
         browser.close()
 
 

@@ -119,6 +119,11 @@ CSS = """
 .sv-race-row .sv-tok { opacity: 0; animation: sv-appear 0.01s forwards; }
 @keyframes sv-appear { to { opacity: 1; } }
 .sv-stage-caption { font-weight: 600; margin-bottom: 6px; }
+#stage-view { overflow-x: auto; }
+/* in projector type the round's table takes the row and the tree goes under it: side by side at 1280x720 the
+   tree covered the table's last columns */
+body.sv-projector div:has(> #stage-view) { flex-wrap: wrap; }
+body.sv-projector #stage-view, body.sv-projector #chart-tree { flex: 1 1 100% !important; min-width: 100% !important; }
 .sv-stage-table { border-collapse: collapse; font-family: ui-monospace, monospace; font-size: 14px; }
 .sv-stage-table th, .sv-stage-table td { border: 1px solid #ddd; padding: 3px 8px; text-align: center; }
 .sv-stage-table th:first-child { text-align: right; color: #555; font-weight: 500; }
