@@ -203,3 +203,16 @@ def test_step_mode_tells_a_rounds_outcome_only_from_the_stage_that_decides_it(ra
             assert empty == (k < last)
     full = dict(zip(OUTPUT_NAMES, View(spec=run).outputs(), strict=True))  # not stepping: the whole round
     assert "sv-correction" in full["spec_html"] and "<b>1 / 2 / 5 " in full["stats"]
+
+
+def test_the_added_token_is_drawn_beside_the_draft_it_replaced_not_on_it():
+    """A correction takes a rejected draft's depth: in the tree chart its star sits half a row off that draft's
+    node, so both stay visible."""
+    from specviz.core.events import DraftedToken
+
+    chain = RoundEvent(0, 2, [DraftedToken(1, "a", 0.5, 0.1, 0.2, 0.9, "rejected"),
+                              DraftedToken(2, "b", 0.5, 0.7, 1.0, None, "unverified")],
+                       ExtraToken(3, "c", "correction", 0.8, 0.1), 0, 1.0, 1.0, 5, 0, 1, 10.0)
+    traces = {t.get("name"): t for t in charts.token_tree(chain)["data"]}
+    rejected, star = traces["rejected"], traces["correction"]
+    assert star["x"] == rejected["x"] == [1] and star["y"] != rejected["y"]

@@ -257,6 +257,8 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
     end = event.path[-1] if event.path else -1
     if done and event.extra is not None:  # the target's token, after the kept path
         x["extra"], y["extra"] = x[end] + 1, y[end]
+        if any(x[i] == x["extra"] and abs(y[i] - y[end]) < 0.25 for i in show):  # a rejected draft sits there
+            y["extra"] -= 0.5
         edges_x += [x[end], x["extra"], None]
         edges_y += [y[end], y["extra"], None]
     traces.append({"type": "scatter", "mode": "lines", "x": edges_x, "y": edges_y, "hoverinfo": "skip",
