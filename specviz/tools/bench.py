@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -591,6 +592,7 @@ def environment(pair: ModelPair, others: float | None = None) -> dict:
     return env
 
 
+@functools.cache
 def _commit() -> str:
     """The checkout's short commit (with '+changes' when files differ from it), or 'unknown' outside git."""
     import subprocess

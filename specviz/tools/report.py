@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from statistics import median
+
+from .bench import _median
 
 README_START, README_END = "<!-- speed tables: written by `python -m specviz bench --report` -->", "<!-- /speed -->"
 
@@ -53,11 +54,6 @@ def load(folder: str | Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(Path(folder).glob("*.json"))}
 
 
-def _med(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return median(values) if values else None
-
-
 def _x(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}x"
 
@@ -96,17 +92,17 @@ def rows_of(results: dict) -> list[dict]:
         hot_firsts = [r for r in per_prompt(hot) if r[key]]
         if firsts:
             out.append({"name": name, "kind": "hf" if key.startswith("hf") else "plain",
-                        "tps": _med(r[key] for r in firsts), "vs": _med(r[key] / best(r) for r in firsts),
-                        "tau": None, "hot": _med(r[key] / best(r) for r in hot_firsts), "same": ""})
+                        "tps": _median(r[key] for r in firsts), "vs": _median(r[key] / best(r) for r in firsts),
+                        "tau": None, "hot": _median(r[key] / best(r) for r in hot_firsts), "same": ""})
     for name, drafter, key in (("Hugging Face assisted (draft model)", "model", "hf_assisted_tps"),
                                ("Hugging Face prompt lookup", "lookup", "hf_lookup_tps")):
         for gamma in sorted({r["gamma"] for r in rows if r["drafter"] == drafter and r[key]}):
             def sel(part: list[dict], gamma=gamma, drafter=drafter, key=key) -> list[dict]:
                 return [r for r in part if (r["drafter"], r["gamma"], r["policy"], r["tree"]) ==
                         (drafter, gamma, "fixed", "") and r[key]]
-            out.append({"name": f"{name}, γ = {gamma}", "kind": "hf", "tps": _med(r[key] for r in sel(greedy)),
-                        "vs": _med(r[key] / best(r) for r in sel(greedy)), "tau": None,
-                        "hot": _med(r[key] / best(r) for r in sel(hot)), "same": ""})
+            out.append({"name": f"{name}, γ = {gamma}", "kind": "hf", "tps": _median(r[key] for r in sel(greedy)),
+                        "vs": _median(r[key] / best(r) for r in sel(greedy)), "tau": None,
+                        "hot": _median(r[key] / best(r) for r in sel(hot)), "same": ""})
     choice = _choice_label(results["environment"].get("first_run_choice"))
     spec = []
     for label in dict.fromkeys(_label(r) for r in rows):
@@ -114,10 +110,10 @@ def rows_of(results: dict) -> list[dict]:
         h = [r for r in hot if _label(r) == label]
         same = [r["identical_to_baseline"] for r in g if r["identical_to_baseline"] is not None]
         spec.append({"name": label, "kind": "specviz", "choice": label == choice,
-                     "tps": _med(r["specviz_tps"] for r in g),
-                     "vs": _med(r["speedup_vs_best"] or r["speedup"] for r in g),
+                     "tps": _median(r["specviz_tps"] for r in g),
+                     "vs": _median(r["speedup_vs_best"] or r["speedup"] for r in g),
                      "tau": sum(r["tokens_per_round"] for r in g) / len(g) if g else None,
-                     "hot": _med(r["speedup_vs_best"] or r["speedup"] for r in h),
+                     "hot": _median(r["speedup_vs_best"] or r["speedup"] for r in h),
                      "same": f"{sum(same)} of {len(same)}" if same else ""})
     return out + sorted(spec, key=lambda s: -(s["vs"] if s["vs"] is not None else s["hot"] or 0.0))
 

@@ -61,7 +61,7 @@ Update = RoundDone | BatchRound | Finished
 
 
 @dataclass
-class _Clock:
+class Clock:
     """The time a stream has spent running: a consumer's time between updates (a viewer stepping
     through rounds) does not count against the limit."""
 
@@ -94,7 +94,7 @@ def stream(pair: ModelPair, prompt: str, settings: Settings, compare: bool = Fal
     Inputs are validated before any model work (ValueError).
     """
     ids = encode_prompts(pair, [prompt], settings, chat_template, None if prompt_ids is None else [prompt_ids])
-    clock, runs, stopped = _Clock(time_limit_s), [], ""
+    clock, runs, stopped = Clock(time_limit_s), [], ""
     for mode in ("speculative", "baseline") if compare else ("speculative",):
         if stopped:
             break
@@ -116,7 +116,7 @@ def stream_batch(pair: ModelPair, prompts: list[str], settings: Settings, chat_t
     """Several prompts decoded together, each row at its own pace: one update per round."""
     ids = encode_prompts(pair, prompts, settings, chat_template, prompts_ids)
     runs = new_runs(pair, prompts, ids, settings)
-    clock, stopped = _Clock(time_limit_s), ""
+    clock, stopped = Clock(time_limit_s), ""
     for index, round_events in enumerate(decode(pair, ids, settings, "speculative", [r.meta for r in runs])):
         for row, event in round_events:
             runs[row].events.append(event)

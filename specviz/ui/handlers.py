@@ -14,7 +14,7 @@ from ..core.generator import DRAFTER_KINDS, encode_prompts
 from ..models.loading import PRESETS, ModelPair
 from ..tools.costs import context_of
 from ..tools.lossless import exact_check, float32_recheck, sample_check_live
-from ..tools.stream import BatchRound, Finished, RoundDone, Update, stream, stream_batch
+from ..tools.stream import BatchRound, Clock, Finished, RoundDone, Update, stream, stream_batch
 from ..view import charts
 from ..view.rendering import (
     batch_html,
@@ -243,10 +243,9 @@ def bounded(work: Iterator, what: str) -> Iterator:
     """work's items until the server's time limit (TIME_LIMIT_S; 0: none) has passed since it started; then it is
     closed (as Stop closes it) and a last item says where it stopped: a long action holds the one generation slot
     no longer than a run may."""
-    started = time.perf_counter()
-    last = ""
+    clock, last = Clock(TIME_LIMIT_S), ""
     for item in work:
-        if TIME_LIMIT_S and time.perf_counter() - started > TIME_LIMIT_S:
+        if clock.out():
             work.close()
             yield TimeUp(f"Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s) while {what}"
                          + (f", at {last}" if last else "") + ".")

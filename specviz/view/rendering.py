@@ -152,6 +152,8 @@ SPECIAL = re.compile(r"<\|([^|<>]{1,40})\|>|</?s>")
 
 def shown(text: str) -> str:
     """A token's text as HTML: control tokens as badges (⟨im_end⟩), a line break with a ⏎ before it."""
+    if "<" not in text and "\n" not in text:  # nearly every token: the page draws every token at every update
+        return html.escape(text)
     out, at = [], 0
     for match in SPECIAL.finditer(text):
         out.append(html.escape(text[at:match.start()]))
