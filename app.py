@@ -238,24 +238,30 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     def controls(names):
         return [CONTROLS[n] for n in names]
 
-    device = {"concurrency_limit": 1, "concurrency_id": "device", "show_progress": "hidden"}
+    def device(status_box) -> dict:
+        """One model call at a time, in Gradio's queue; a waiting viewer's status box shows their place in it and
+        the wait expected (from the event's average time), a running one's only what the handler writes."""
+        return {"concurrency_limit": 1, "concurrency_id": "device", "show_progress": "minimal",
+                "show_progress_on": status_box}
+
     run_inputs = controls(RUN_FIELDS)
-    long_actions = [
-        run_btn.click(reads(RUN_FIELDS, handlers.run), run_inputs, OUTPUTS, api_name="run", **device),
-        step_btn.click(reads(RUN_FIELDS, handlers.step), run_inputs, OUTPUTS, api_name="step", **device),
-        next_btn.click(reads(RUN_FIELDS, handlers.next_stage), run_inputs, OUTPUTS, api_name="next", **device),
-        continue_btn.click(handlers.continue_run, show_rounds, OUTPUTS, api_name="continue", **device),
+    # Run and Continue see Stop themselves and end with their own last update (handlers.stop); Gradio cancels the rest
+    run_btn.click(reads(RUN_FIELDS, handlers.run), run_inputs, OUTPUTS, api_name="run", **device(status))
+    continue_btn.click(handlers.continue_run, show_rounds, OUTPUTS, api_name="continue", **device(status))
+    cancelled = [
+        step_btn.click(reads(RUN_FIELDS, handlers.step), run_inputs, OUTPUTS, api_name="step", **device(status)),
+        next_btn.click(reads(RUN_FIELDS, handlers.next_stage), run_inputs, OUTPUTS, api_name="next", **device(status)),
         fp32_btn.click(handlers.check_float32, [runs_state, *controls(PAIR)], fp32_status, api_name="check_float32",
-                       **device),
+                       **device(fp32_status)),
         sample_btn.click(reads((*EXACT_FIELDS, "samples", *TREE), handlers.sample_n),
                          controls((*EXACT_FIELDS, "samples", *TREE)),
-                         [lossless_status, fig_sample], api_name="sample", **device),
+                         [lossless_status, fig_sample], api_name="sample", **device(lossless_status)),
         exact_btn.click(reads((*EXACT_FIELDS, *TREE), handlers.exact), controls((*EXACT_FIELDS, *TREE)),
-                        exact_status, api_name="exact", **device),
+                        exact_status, api_name="exact", **device(exact_status)),
         batch_btn.click(reads(BATCH_FIELDS, handlers.run_batch), controls(BATCH_FIELDS),
-                        [batch_status, batch_box, batch_download], api_name="batch", **device),
+                        [batch_status, batch_box, batch_download], api_name="batch", **device(batch_status)),
     ]
-    stop_btn.click(None, None, None, cancels=long_actions, api_visibility="private")
+    stop_btn.click(handlers.stop, None, status, cancels=cancelled, queue=False, api_visibility="private")
     back_btn.click(handlers.previous_stage, show_rounds, OUTPUTS, api_name="back", show_progress="hidden")
     upload.upload(handlers.replay, [upload, show_rounds], OUTPUTS, api_name="replay")
     show_rounds.change(handlers.rerender, [runs_state, show_rounds], [spec_html, base_html], api_visibility="private")

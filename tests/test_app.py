@@ -251,7 +251,7 @@ def test_a_bad_app_setting_stops_the_app_with_one_line_not_a_traceback():
         done = load(**{name: bad})
         assert done.returncode == 1 and done.stderr.strip() == f"{name} must be {kind}, got '{bad}'", done.stderr
     done = load(SPECVIZ_UPDATE_S="0.5", SPECVIZ_CHARTS_S="")
-    assert done.returncode == 0 and done.stdout.split() == ["0.5", "1.0"], done.stderr
+    assert done.returncode == 0 and done.stdout.split() == ["0.5", "3.0"], done.stderr
 
 
 def test_batch_streams_one_row_per_prompt(app_url):

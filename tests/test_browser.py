@@ -417,6 +417,59 @@ def test_the_first_screen_shows_the_run_and_stop_ends_a_sample_check(app_url):
         browser.close()
 
 
+WATCH_STOPPED = """() => {
+  const status = document.querySelector('#status');
+  window.svStoppedAt = null; window.svAfterStop = 0; window.svClickAt = null;
+  document.querySelector('#stop-btn').addEventListener('click', () => { window.svClickAt = performance.now(); },
+                                                       {capture: true, once: true});
+  new MutationObserver(() => {
+    if (window.svStoppedAt !== null) window.svAfterStop += 1;
+    else if (/Stopped after/.test(status.textContent)) window.svStoppedAt = performance.now();
+  }).observe(status, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def test_a_waiting_viewer_sees_their_place_and_stop_answers_within_a_second(app_url):
+    """Two viewers: while the first one's 512-token run goes, the second's Run waits with its place in the queue
+    on the page, and their Stop takes it out of the queue; the first one's Stop ends the run within a second of
+    the click, the status saying how far it got, and nothing is drawn after it."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        first, second = (browser.new_page(viewport={"width": 1280, "height": 720}) for _ in range(2))
+        for page in (first, second):
+            page.goto(app_url, wait_until="domcontentloaded")
+            page.locator("#run-btn").wait_for(timeout=60_000)
+        set_number(first, "max new tokens", "512")
+        first.locator("#run-btn").click()
+        first.wait_for_function("/speculative: round \\d+, [1-9]\\d+ tokens/.test("
+                                "document.querySelector('#status').textContent)", timeout=120_000)
+        second.locator("#run-btn").click()
+        second.locator("#status :text('queue: 1/1')").wait_for(timeout=30_000)  # Gradio's tracker: place, wait
+        second.locator("#stop-btn").click()
+        second.locator("#status :text('Stopped before it started')").wait_for(timeout=10_000)
+
+        first.wait_for_function("/speculative: round \\d+, [2-4]\\d\\d tokens/.test("
+                                "document.querySelector('#status').textContent)", timeout=120_000)  # a long stream
+        first.evaluate(WATCH_STOPPED)
+        clicked = first.evaluate("performance.now()")
+        first.locator("#stop-btn").click()
+        first.wait_for_function("() => window.svStoppedAt !== null", timeout=30_000)
+        took = first.evaluate("window.svStoppedAt") - clicked
+        said = first.locator("#status").inner_text()
+        first.wait_for_timeout(3000)
+        handled = first.evaluate("window.svClickAt") - clicked
+        print(f"\nStop during a 512-token run: '{said.strip()}' {took:.0f} ms after the click (the page took the "
+              f"click {handled:.0f} ms after it was made)")
+        assert re.search(r"Stopped after [2-5]\d\d tokens\.", said), said
+        assert took < 1000
+        assert first.locator("#status").inner_text() == said  # no update of the run after its last
+        assert second.locator("#status").inner_text().strip().startswith("Stopped before it started")
+        browser.close()
+
+
 def test_cpu_seconds_between_readings_never_count_a_process_that_ended():
     """A browser process that exits between two readings is left out: read as zero seconds at the second, it
     would make the browser's share negative."""

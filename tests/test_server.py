@@ -210,6 +210,90 @@ def test_stop_frees_the_worker_and_the_next_run_starts(local_app):
     assert app.SERVED["runs"] == runs + 1
 
 
+def test_a_class_of_forty_pressing_run_at_once_is_served_and_memory_stays_flat(local_app):
+    """40 viewers press Run within a second: every one is queued (none refused) and served, and the server's
+    memory after them is within 10 % of before."""
+    app, url = local_app
+    assert "done:" in status_of(Client(url, verbose=False), args(max_new_tokens=4))  # warm: the first run's costs
+    clients = [Client(url, verbose=False) for _ in range(40)]  # in this process too: before the reading
+    before, runs = rss_kb(), app.SERVED["runs"]
+    barrier, said, lock = threading.Barrier(40), [], threading.Lock()
+
+    def viewer(i: int) -> None:
+        barrier.wait()
+        status = status_of(clients[i], args(prompt=f"Question {i}: what is a cache?", max_new_tokens=4, seed=i))
+        with lock:
+            said.append(status)
+
+    threads = [threading.Thread(target=viewer, args=(i,)) for i in range(40)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    after = rss_kb()
+    refused = [s for s in said if "done: 4 tokens" not in s]
+    print(f"\n40 viewers at once: {len(said) - len(refused)} served, {len(refused)} not, in "
+          f"{time.perf_counter() - started:.1f} s; RSS {before / 1024:.0f} -> {after / 1024:.0f} MiB "
+          f"({(after - before) / before:+.1%})")
+    assert len(said) == 40 and not refused, refused[:3]
+    assert app.SERVED["runs"] == runs + 40
+    assert after <= 1.10 * before
+
+
+def join(url: str, fn: str, data: list, session: str) -> None:
+    """What a page does when Run is pressed: its event joins Gradio's queue (the HTTP API, as the browser calls it)."""
+    import httpx
+
+    import app
+
+    fn_index = next(i for i, block_fn in app.demo.fns.items() if block_fn.api_name == fn)
+    reply = httpx.post(f"{url}gradio_api/queue/join", json={"data": data, "fn_index": fn_index, "session_hash": session,
+                                                          "event_data": None, "trigger_id": None}, timeout=30)
+    reply.raise_for_status()
+
+
+def read_then_leave(url: str, session: str, until: str, seconds: float = 120) -> list[str]:
+    """A page's stream of messages read until one whose kind is `until`, then closed as a closed tab closes it;
+    the kinds read."""
+    import json
+
+    import httpx
+
+    kinds = []
+    deadline = time.monotonic() + seconds
+    with httpx.stream("GET", f"{url}gradio_api/queue/data", params={"session_hash": session}, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                kinds.append(json.loads(line[5:]).get("msg"))
+                if kinds[-1] == until or time.monotonic() > deadline:
+                    break
+    return kinds
+
+
+def test_a_page_that_closes_leaves_the_queue_and_its_run_stops(local_app):
+    """A viewer waiting in the queue who closes the tab is dropped from it (their run never starts); one whose run
+    is under way when the tab closes has it stopped at the next round, and the model is free for the next."""
+    app, url = local_app
+    runs, rounds_before = app.SERVED["runs"], app.SERVED["rounds"]
+    rest = ["static", False, False, 1, 0]  # cache, compiled, draft greedily, children per draft, nodes
+    join(url, "run", [*args(max_new_tokens=512, gamma=2), *rest], "running-page")
+    join(url, "run", [*args(max_new_tokens=8), *rest], "waiting-page")
+    assert "estimation" in read_then_leave(url, "waiting-page", "estimation")  # told its place, then closed
+    kinds = read_then_leave(url, "running-page", "process_generating")
+    assert kinds[-1] == "process_generating"
+    deadline = time.monotonic() + 30
+    while app.SERVED["runs"] == runs and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)
+    rounds = app.SERVED["rounds"]
+    time.sleep(2.0)
+    assert app.SERVED["rounds"] == rounds  # the closed page's run stopped
+    assert rounds - rounds_before < 512 // 3  # before its end: 512 tokens take more rounds at γ = 2
+    assert "done: 5 tokens" in status_of(Client(url, verbose=False), args(max_new_tokens=5))
+    assert app.SERVED["runs"] == runs + 2  # the closed run and this one: the waiting page's never started
+
+
 def rss_kb() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

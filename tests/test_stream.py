@@ -189,14 +189,13 @@ def test_a_run_with_the_machines_choice_ends_saying_how_it_measured_against_the_
     assert "machine's choice" not in last_status(Settings(gamma=3, max_new_tokens=24))[0]
 
 
-def test_the_charts_under_the_streams_are_redrawn_at_most_every_charts_s_and_at_each_runs_last_round(pattern_pair,
-                                                                                                    monkeypatch):
-    """The browser lays each chart out anew at every redraw, on the CPU the decode runs on: with the page drawn
-    every round, the five charts under the streams come at the first round, at each run's last round and at the
-    end when rounds come faster than CHARTS_S (then current: the spec's whole run at its last round), and in
-    every frame with CHARTS_S 0. The round's tree, on the first screen, comes with every frame."""
+def test_the_charts_are_drawn_together_at_the_first_round_and_the_end_and_in_turn_between(pattern_pair, monkeypatch):
+    """The browser lays each chart out anew at every redraw, in the page's one thread: with the page drawn every
+    round, the six charts (the five under the streams and the round's tree) come together at the first round and
+    when the runs finish, and in between one a frame, in turn, each at most every CHARTS_S; with CHARTS_S 0, all
+    in every frame."""
     from specviz.ui import handlers
-    from specviz.ui.view import CHARTS, OUTPUT_NAMES, View
+    from specviz.ui.view import FIGURES, OUTPUT_NAMES, View
     from specviz.view import charts
 
     pair = pattern_pair("llama")
@@ -204,23 +203,64 @@ def test_the_charts_under_the_streams_are_redrawn_at_most_every_charts_s_and_at_
     last = updates[-1]
     n_spec, n_base = len(last.spec.events), len(last.base.events)
     monkeypatch.setattr(handlers, "UPDATE_S", 0.0)
+    clock = iter(range(10_000))  # each frame one second after the last
+    monkeypatch.setattr(handlers.time, "perf_counter", lambda: float(next(clock)))
 
-    def frames(charts_s: float) -> list[tuple]:
+    def frames(charts_s: float) -> list[list[str]]:
         monkeypatch.setattr(handlers, "CHARTS_S", charts_s)
-        return list(handlers.follow(View(), iter(updates), ""))
+        out = list(handlers.follow(View(), iter(updates), ""))
+        return [[name for name in FIGURES if isinstance(frame[OUTPUT_NAMES.index(name)], charts.PlotlySpec)]
+                for frame in out]
 
-    def charted(frame: tuple) -> bool:
-        drawn = [isinstance(frame[OUTPUT_NAMES.index(name)], charts.PlotlySpec) for name in CHARTS]
-        assert len(set(drawn)) == 1, drawn  # the five together or none
-        return drawn[0]
+    every_second = frames(1.0)  # a sixth of a second per chart: one a frame, in turn
+    assert len(every_second) == n_spec + n_base + 1
+    assert every_second[0] == every_second[-1] == list(FIGURES)
+    between = every_second[1:-1]
+    assert all(len(drawn) == 1 for drawn in between)
+    assert [drawn[0] for drawn in between[:len(FIGURES)]] == list(FIGURES)  # in turn
+    slow = frames(3600.0)  # none between: each waits its turn of 600 s
+    assert slow[0] == slow[-1] == list(FIGURES) and not any(slow[1:-1])
+    assert all(drawn == list(FIGURES) for drawn in frames(0.0))
+    final = handlers.follow(View(), iter(updates), "")
+    *_, end = final
+    assert end[OUTPUT_NAMES.index("fig_rounds")] == charts.tokens_per_round(last.spec)  # the whole run, at the end
 
-    slow = frames(3600.0)
-    assert len(slow) == n_spec + n_base + 1
-    ends = [n_spec - 1, n_spec + n_base - 1, n_spec + n_base]  # each run's last round, and the finished runs
-    assert [i for i, frame in enumerate(slow) if charted(frame)] == [0, *ends]
-    assert slow[n_spec - 1][OUTPUT_NAMES.index("fig_rounds")] == charts.tokens_per_round(last.spec)
-    assert all(isinstance(frame[OUTPUT_NAMES.index("fig_tree")], charts.PlotlySpec) for frame in slow)
-    assert all(charted(frame) for frame in frames(0.0))
+
+def test_stop_ends_a_run_at_its_next_round_with_its_own_last_frame(pattern_pair, monkeypatch):
+    """Stop seen by `follow`: no round after it is shown, the last frame says how far the runs got, and the
+    caller's stream is left to close."""
+    import html
+
+    from specviz.ui import handlers
+    from specviz.ui.view import OUTPUT_NAMES, View
+
+    pair = pattern_pair("llama")
+    monkeypatch.setattr(handlers, "UPDATE_S", 0.0)  # every round a frame
+    updates = stream(pair, "w2 w3 w4", Settings(gamma=2, max_new_tokens=24), compare=True, chat_template=False)
+    view = View()
+    watch = handlers.Watch(view)
+    shown = []
+    for frame in handlers.follow(view, updates, "", baseline_next=True, watch=watch):
+        shown.append(html.unescape(frame[OUTPUT_NAMES.index("status")]))
+        if len(shown) == 3:
+            watch.stop = True
+    assert len(shown) == 5 and "round 3," in shown[2] and shown[3] == shown[4]
+    tokens = view.spec.n_tokens
+    assert 0 < tokens < 24 and view.base is None
+    assert f"Stopped after {tokens} tokens." in shown[-1]
+    updates.close()
+    assert next(updates, None) is None  # closed: the decode ends there
+
+    view = View()
+    watch = handlers.Watch(view)
+    updates = stream(pair, "w2 w3 w4", Settings(gamma=2, max_new_tokens=12), compare=True, chat_template=False)
+    frames = []
+    for frame in handlers.follow(view, updates, "", baseline_next=True, watch=watch):
+        frames.append(frame)
+        if view.base is not None and view.base.n_tokens >= 2:
+            watch.stop = True
+    said = html.unescape(frames[-1][OUTPUT_NAMES.index("status")])
+    assert said.endswith(f"Stopped after 12 tokens, the baseline after {view.base.n_tokens} tokens.</div>"), said
 
 
 def test_the_charts_open_as_titled_frames_until_a_run_draws_them(pattern_pair):

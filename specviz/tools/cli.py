@@ -337,8 +337,8 @@ def _add_bench_page(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--update-s", type=float, default=None,
                    help="SPECVIZ_UPDATE_S for the app: the page redrawn at most this often (0: every round)")
     b.add_argument("--charts-s", type=float, default=None,
-                   help="SPECVIZ_CHARTS_S for the app: the charts under the streams redrawn at most this often "
-                        "(0: with the page)")
+                   help="SPECVIZ_CHARTS_S for the app: each chart redrawn at most this often, one at a time "
+                        "(0: all with the page)")
 
 
 def cmd_bench_page(args: argparse.Namespace) -> int:

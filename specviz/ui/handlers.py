@@ -1,11 +1,15 @@
 """The handlers behind the page's buttons, as plain (generator) functions of one `Page`. Each long
-one is a generator that yields between rounds, so Stop (closing it) ends the work there."""
+one is a generator that yields between rounds, so Stop ends the work there: Run and Continue see it
+themselves and end with their own last update (`stop`), Gradio closes the others."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 
 import gradio as gr
 
@@ -46,7 +50,7 @@ from .page import (
     trace_dir,
 )
 from .stepping import Stepper
-from .view import View, greedy_diff, split_runs, status_only
+from .view import FIGURES, View, greedy_diff, split_runs, status_only
 
 try:  # ZeroGPU on Hugging Face Spaces: borrow a GPU per request (its own worker runs the handler)
     import spaces
@@ -98,16 +102,26 @@ def prefilling(mode: str, tokens: int) -> str:
 
 
 def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[Run, Run], str] | None = None,
-           baseline_next: bool = False):
+           baseline_next: bool = False, watch: Watch | None = None):
     """The page every UPDATE_S at most, and at each run's last round, until the runs finish: every round shows,
     several at once when they come faster (drawn every round, a short comparison that decodes in a second or
-    two keeps a 2-core CPU's browser busy many times as long: `bench-page` measures it). The five charts under the
-    streams are redrawn every CHARTS_S at most and at each run's last round: the browser lays out each of them
-    anew at every redraw, on the CPU the decode runs on. `against`: for a run with the machine's choice, the
+    two keeps a 2-core CPU's browser busy many times as long: `bench-page` measures it). The charts (the five
+    under the streams and the round's tree) are drawn together at the first round and when the runs finish, and
+    in between one at a time, in turn, each at most every CHARTS_S: the browser lays a chart out anew at every
+    redraw, on the CPU the decode runs on and in the page's one thread, where all six at once would hold up a
+    click (Stop) for their sum. `against`: for a run with the machine's choice, the
     speedup it measured against the expected one (page.measured_against), said when the baseline has run.
-    baseline_next: the baseline runs after the speculative run (its prefill is said when that one ends)."""
+    baseline_next: the baseline runs after the speculative run (its prefill is said when that one ends). watch:
+    where Stop is seen; the page then shows the runs as far as they got, and follow returns (the caller closes
+    `updates`, or keeps them to step through)."""
     drawn = charted = -math.inf  # the first round is drawn at once, charts included
+    turn = 0  # the chart redrawn next between a run's first and last rounds
     for update in updates:
+        if watch is not None and watch.stop:
+            view.status = note_html(note + stopped_line(view))
+            yield view.outputs(final=False, redraw=())  # the word at once, then the charts as far as the run got
+            yield view.outputs()
+            return
         if isinstance(update, RoundDone):
             event, speculative = update.event, update.run.meta.mode == "speculative"
             if speculative:
@@ -121,10 +135,14 @@ def follow(view: View, updates: Iterator[Update], note: str, against: Callable[[
                 then = f"; {prefilling('baseline', len(update.run.meta.prompt_ids))}" \
                     if speculative and event.finish_reason and baseline_next else ""
                 view.status = note_html(f"{note}{update.run.meta.mode}: {what}{count(event.tokens_so_far)}{then}")
-                with_charts = bool(event.finish_reason) or drawn - charted >= CHARTS_S
-                if with_charts:
+                redraw: tuple[str, ...] = ()
+                if charted == -math.inf or CHARTS_S == 0:
+                    redraw = FIGURES
+                elif drawn - charted >= CHARTS_S / len(FIGURES):
+                    redraw, turn = (FIGURES[turn % len(FIGURES)],), turn + 1
+                if redraw:
                     charted = drawn
-                yield view.outputs(final=False, with_charts=with_charts)
+                yield view.outputs(final=False, redraw=redraw)
         elif isinstance(update, Finished):
             stopped = f" Stopped at this server's time limit ({TIME_LIMIT_S:.0f} s)." if update.stopped else ""
             view.spec, view.base = update.spec, update.base
@@ -140,11 +158,16 @@ def run(page: Page, request=None):
     """Speculative decoding (then the baseline, if asked): the page once per round."""
     view = View(show_rounds=bool(page.show_rounds))
     stepping.drop(request)  # a plain run ends any stepping
+    with watched(request, view) as watch:
+        yield from _run(page, view, watch)
+
+
+def _run(page: Page, view: View, watch: Watch):
     charts = [True]  # the last run's charts go with the first yield
 
     def shown(status: str) -> tuple:
-        view.status, with_charts, charts[0] = status, charts[0], False
-        return view.outputs(final=False, with_charts=with_charts)
+        view.status, redraw, charts[0] = status, FIGURES if charts[0] else (), False
+        return view.outputs(final=False, redraw=redraw)
 
     try:
         settings = page.settings()
@@ -157,7 +180,81 @@ def run(page: Page, request=None):
     context = context_of(len(prompt_ids), settings.max_new_tokens)
     yield from follow(view, updates, draft_note(pair, settings),
                       measured_against(page.preset, not settings.sampling.greedy, context, settings.max_new_tokens),
-                      bool(page.compare))
+                      bool(page.compare), watch)
+    updates.close()  # where Stop ended it
+
+
+# --- Stop ----------------------------------------------------------------------------------------
+
+MAX_WATCHED = 64
+
+
+@dataclass
+class Watch:
+    """A run under way as Stop finds it: its view (how far it got) and whether Stop was pressed."""
+
+    view: View
+    stop: bool = False
+
+
+_watched: dict[str, Watch] = {}  # session -> its run under way
+_watched_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def watched(request, view: View) -> Iterator[Watch]:
+    """The session's run, kept where Stop finds it while it goes."""
+    key, watch = stepping.session(request), Watch(view)
+    with _watched_lock:
+        _watched.pop(key, None)
+        _watched[key] = watch
+        while len(_watched) > MAX_WATCHED:
+            _watched.pop(next(iter(_watched)))
+    try:
+        yield watch
+    finally:
+        with _watched_lock:
+            if _watched.get(key) is watch:
+                del _watched[key]
+
+
+def stopped_line(view: View) -> str:
+    spec, base = view.spec.n_tokens if view.spec else 0, view.base.n_tokens if view.base else 0
+    return f"Stopped after {count(spec)}" + (f", the baseline after {count(base)}." if base else ".")
+
+
+async def stop(request: gr.Request = None):
+    """Stop. A run under way ends at its next round and says how far it got: its own last update, so that none
+    it sent before can arrive after it (Gradio's cancel closes the run's generator while updates it sent are still
+    on their way, and the page draws them after the cancel). A run still waiting for the model leaves the queue.
+    The page's other long actions Gradio cancels (app.py)."""
+    key = stepping.session(request)
+    with _watched_lock:
+        watch = _watched.get(key)
+    if watch is not None:
+        watch.stop = True
+        return gr.skip()
+    if await leave_queue(request, ("run", "continue_run")):
+        return note_html("Stopped before it started: the run was waiting for the model.")
+    return gr.skip()
+
+
+async def leave_queue(request: gr.Request | None, names: tuple[str, ...]) -> bool:
+    """The session's events of the handlers named taken out of Gradio's queue while they wait, and their pages
+    told they ended (as Gradio's /cancel route does for a waiting event); whether there were any."""
+    from gradio.server_messages import ProcessCompletedMessage
+
+    app = getattr(getattr(request, "request", None), "app", None)
+    if app is None:
+        return False
+    queue, key = app.get_blocks()._queue, stepping.session(request)
+    waiting = [event for line in queue.event_queue_per_concurrency_id.values() for event in line.queue
+               if event.session_hash == key and event.fn.name in names]
+    for event in waiting:
+        await queue.remove_from_queue(event._id)
+        if (messages := queue.pending_messages_per_session.get(key)) is not None:
+            messages.put_nowait(ProcessCompletedMessage(output={}, success=True, event_id=event._id))
+    return bool(waiting)
 
 
 # --- step mode -----------------------------------------------------------------------------------
@@ -225,10 +322,13 @@ def continue_run(show_rounds, request: gr.Request = None):
         yield View(status=note_html("Nothing to continue: press Run, or Step to go round by round.")).outputs()
         return
     view = View(spec=stepper.spec, base=stepper.base, show_rounds=bool(show_rounds))
-    if stepper.updates is not None:  # Stop cancels between rounds and leaves the rest to step through
-        for outputs in follow(view, stepper.updates, stepper.note, baseline_next=stepper.compare):
-            stepper.spec, stepper.base = view.spec, view.base
-            yield outputs
+    if stepper.updates is not None:
+        with watched(request, view) as watch:
+            for outputs in follow(view, stepper.updates, stepper.note, baseline_next=stepper.compare, watch=watch):
+                stepper.spec, stepper.base = view.spec, view.base
+                yield outputs
+        if watch.stop:  # the rest is left to step through
+            return
         stepper.updates = None
     else:
         view.status = note_html("replayed to the end")

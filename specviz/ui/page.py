@@ -66,7 +66,9 @@ def setting(name: str, default: float, whole: bool = False, least: float = 0) ->
     return value
 
 
-QUEUE_SIZE = setting("SPECVIZ_QUEUE_SIZE", 16, whole=True, least=1)
+# Viewers waiting for the model at most (a class of 40 pressing Run at once, with room): each waits in Gradio's
+# queue, holding a request's few kilobytes, and sees their place; the next is refused with Gradio's "queue full".
+QUEUE_SIZE = setting("SPECVIZ_QUEUE_SIZE", 100, whole=True, least=1)
 # Public mode (on in the Docker image): presets only, and caps on what one request may ask for.
 PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", "no")
 MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
@@ -79,9 +81,10 @@ MAX_SAMPLES_UI = 2000 if PUBLIC else 20_000
 BATCH_SEPARATOR = "---"
 TIME_LIMIT_S = setting("SPECVIZ_TIME_LIMIT_S", 120 if PUBLIC else 0)  # 0: none
 UPDATE_S = setting("SPECVIZ_UPDATE_S", 0.25)  # the page drawn at most this often in a run (0: always)
-# the five charts under the streams redrawn at most this often in a run, and at each run's last round (0: with the
-# page): each redraw is a Plotly layout in the browser, which shares the CPU with the decode (`bench-page --charts-s`)
-CHARTS_S = setting("SPECVIZ_CHARTS_S", 1.0)
+# each of the run's charts redrawn at most this often in a run, one at a time, and all at its end (0: all with the
+# page): each redraw is a Plotly layout in the browser's one thread, where a click (Stop) waits for it, and on the
+# CPU the decode runs on (`bench-page --charts-s`)
+CHARTS_S = setting("SPECVIZ_CHARTS_S", 3.0)
 FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 log = logging.getLogger("specviz")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 import gradio as gr
@@ -16,6 +17,7 @@ OUTPUT_NAMES = ("status", "spec_html", "base_html", "diff_box", "stats", "fig_ro
                 "fig_speedup", "fig_cache", "fig_tree", "runs_state", "token_pick", "download", "race_box", "round_box",
                 "how_box")
 CHARTS = ("fig_rounds", "fig_time", "fig_position", "fig_speedup", "fig_cache")  # under the streams, in a tab
+FIGURES = (*CHARTS, "fig_tree")  # every Plotly chart of a run: the five and the last round's tree
 STEP_HINT = ('<div class="sv-note">Step runs one round and pauses on it; Next ▸ (or the key <b>n</b>) shows '
              "its stages one by one: each draft with q, the verify pass with p, each decision, the added "
              "token. Continue runs to the end.</div>")
@@ -77,9 +79,9 @@ class View:
                                  greedy=self.spec.meta.sampling.greedy)
 
     def outputs(self, download: str | None = None, race: str = "", final: bool = True,
-                with_charts: bool = True) -> tuple:
-        """The page; between rounds (final=False) the inspector and the download stay as they are, and without
-        with_charts the five charts under the streams too (the round's tree is drawn with the streams)."""
+                redraw: Collection[str] = FIGURES) -> tuple:
+        """The page; between rounds (final=False) the inspector and the download stay as they are, and of the
+        charts (FIGURES) only those in `redraw` are drawn."""
         diff_at = greedy_diff(self.spec, self.base)
         runs = [r for r in (self.spec, self.base) if r is not None]
         picker = gr.skip()
@@ -94,8 +96,8 @@ class View:
             stream_html(self.base, self.show_rounds, diff_at) if self.base else "",
             diff_html(self.spec, self.base) if self.spec and self.base else "",
             stats_html(self.counted(), self.base),
-            *(self.figures() if with_charts or final else [gr.skip()] * len(CHARTS)),
-            self.round_tree(),
+            *self.figures(CHARTS if final else redraw),
+            self.round_tree() if final or "fig_tree" in redraw else gr.skip(),
             runs,
             picker,
             download if final else gr.skip(),
@@ -103,13 +105,18 @@ class View:
             *self.round_view(),
         )
 
-    def figures(self) -> list:
-        """The five charts under the streams, in CHARTS order (frames saying so before a run)."""
+    def figures(self, redraw: Collection[str] = CHARTS) -> list:
+        """The five charts under the streams in CHARTS order, those not in `redraw` skipped (frames saying so
+        before a run)."""
         spec = self.counted()
-        figures = [charts.tokens_per_round(spec), charts.tokens_over_time(spec, self.base),
-                   charts.acceptance_by_position(spec), charts.speedup_curve(spec, self.base),
-                   charts.cache_lengths(spec)]
-        return figures if spec is not None and spec.events else [waiting(figure) for figure in figures]
+        draw = {"fig_rounds": lambda: charts.tokens_per_round(spec),
+                "fig_time": lambda: charts.tokens_over_time(spec, self.base),
+                "fig_position": lambda: charts.acceptance_by_position(spec),
+                "fig_speedup": lambda: charts.speedup_curve(spec, self.base),
+                "fig_cache": lambda: charts.cache_lengths(spec)}
+        drawn = spec is not None and spec.events
+        return [(draw[name]() if drawn else waiting(draw[name]())) if name in redraw else gr.skip()
+                for name in CHARTS]
 
     def stage_outputs(self) -> tuple:
         """A stage within a shown round: the status, the round view and its tree, the stream as far as the round
