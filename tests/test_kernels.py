@@ -452,8 +452,10 @@ def test_every_registered_path_gives_transformers_logits_at_a_step_and_a_verify(
             logits = state.forward(torch.tensor([verify]), torch.ones(1, 3, dtype=torch.bool)).logits[0]
             step = state.forward(torch.tensor([words(5)]), torch.ones(1, 1, dtype=torch.bool)).logits[0, -1]
             full = pair.target(torch.tensor([prompt + verify[1:] + words(5)])).logits[0, -4:, :V].float()
-        # a lossy path is never the target's: it takes the fastest exact one
-        assert lean.head.paths == ({3: "linear", 1: "linear"} if kernels.PATHS[path].lossy else {3: path, 1: path})
+        # a lossy path is never the target's: it takes the fastest exact one; nor is a blocks path (q4, q8) this
+        # model's, whose weights are not made of them (tests/test_blocks.py runs those on weights that are)
+        kind = kernels.PATHS[path]
+        assert lean.head.paths == ({3: "linear", 1: "linear"} if kind.lossy or kind.blocks else {3: path, 1: path})
     finally:
         pair.target.__dict__.pop("_specviz_lean", None)
     torch.testing.assert_close(logits, full[:3], atol=1e-4, rtol=1e-4)

@@ -80,6 +80,10 @@ class KernelPath:
     # model dtype -> C function: where a model of that dtype has a product on this path, native.layers can run it
     # inside its one call (leanllama.layer_plan), through that function of the library
     layers: dict[torch.dtype, str] = field(default_factory=dict)
+    # the file's blocks a weight must be made of to take this path ("" any weight): its pack raises for others,
+    # and `sample` makes one of them from a random weight (the self-check's)
+    blocks: str = ""
+    sample: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def run(self, x: torch.Tensor, packed, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         """One product, bound for it alone (a compiled graph's opaque call; checks)."""
@@ -223,6 +227,23 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
                "specviz's int8 kernel for bfloat16 drafters with AVX512-VNNI: weights int8 per output column, each "
                "row quantized to 8 bits alone, four products per lane and instruction (drafters only)", lossy=True,
                numbers="int8", bits="vnni-int8", layers={torch.bfloat16: "specviz_gemm_int8"}),
+    KernelPath("q4", (torch.float32,), False, lambda w, rows: native.pack_blocks(w, "q4_1"),
+               lambda packed, w, b, rows: native.bind_blocks(packed, w, b, "q4_1"),
+               "specviz's kernel on a GGUF model's Q4_1 blocks: a fifth of float32's bytes, each weight made in "
+               "registers as the float32 model's, the same bits as avx2 (gemm_blocks.c)", bits="specviz",
+               layers={torch.float32: "specviz_gemm_q4"}, blocks="q4_1", sample=native.as_q4_1),
+    KernelPath("q8", (torch.float32,), False, lambda w, rows: native.pack_blocks(w, "q8_0"),
+               lambda packed, w, b, rows: native.bind_blocks(packed, w, b, "q8_0"),
+               "the same on Q8_0 blocks (a GGUF model's embedding and tied output head): 1.06 bytes a weight",
+               bits="specviz", layers={torch.float32: "specviz_gemm_q8"}, blocks="q8_0", sample=native.as_q8_0),
+    KernelPath("q4-512", (torch.float32,), False, lambda w, rows: native.pack_blocks(w, "q4_1", avx512=True),
+               lambda packed, w, b, rows: native.bind_blocks(packed, w, b, "q4_1", avx512=True),
+               "the q4 kernel in AVX-512 registers: fewer instructions to make a weight, up to 12 rows a pass",
+               bits="specviz", layers={torch.float32: "specviz_gemm512_q4"}, blocks="q4_1", sample=native.as_q4_1),
+    KernelPath("q8-512", (torch.float32,), False, lambda w, rows: native.pack_blocks(w, "q8_0", avx512=True),
+               lambda packed, w, b, rows: native.bind_blocks(packed, w, b, "q8_0", avx512=True),
+               "the q8 kernel in AVX-512 registers", bits="specviz", layers={torch.float32: "specviz_gemm512_q8"},
+               blocks="q8_0", sample=native.as_q8_0),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True,
                numbers="int8", bits="int8"),
@@ -325,13 +346,13 @@ class KernelTable:
         return shape in self.times and contention.stands(self.busy.get(shape), (self.file, shape))
 
     def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False,
-             in_call: torch.dtype | None = None) -> str:
+             in_call: torch.dtype | None = None, refused: frozenset[str] = frozenset()) -> str:
         """The fastest path for `rows` rows: the one measured at the nearest timed row count at or
         above it (above the largest, the largest's fastest that needs no copy per row count); a lossy
         path only where `lossy` (a drafter's product), and then of the kind of numbers fastest at the
         fewest timed rows, whatever `rows` is; in a table of ONE_FAMILY, of the `family` of bits the
         shape has, so a row rounds alike at every row count; with in_call, only paths native.layers runs
-        for that model dtype ("linear" if none)."""
+        for that model dtype ("linear" if none); never the paths `refused` (whose pack refused the weight)."""
         by_rows = self.times.get(shape)
         if not by_rows:
             return "linear"
@@ -341,9 +362,9 @@ class KernelTable:
             at = timed_rows(rows, timed)
             fit = per_rows_ok and rows <= timed[-1]
             ms = {p: t for p, t in by_rows[str(at)].items()
-                  if p in PATHS and (fit or not PATHS[p].per_rows) and (lossy or not PATHS[p].lossy)
-                  and numbers in (None, PATHS[p].numbers) and bits in (None, PATHS[p].bits)
-                  and (in_call is None or in_call in PATHS[p].layers)}
+                  if p in PATHS and p not in refused and (fit or not PATHS[p].per_rows)
+                  and (lossy or not PATHS[p].lossy) and numbers in (None, PATHS[p].numbers)
+                  and bits in (None, PATHS[p].bits) and (in_call is None or in_call in PATHS[p].layers)}
             return min(ms, key=ms.get) if ms else None
 
         kind = PATHS[fastest(timed[0]) or "linear"].numbers if lossy else ""
@@ -420,6 +441,8 @@ def _runs_here(path: KernelPath, dtype: torch.dtype) -> str:
         return f"no {str(dtype).removeprefix('torch.')} kernel"
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(48, 32, generator=gen).to(dtype), torch.randn(3, 32, generator=gen).to(dtype)
+    if path.sample:
+        w = path.sample(w)
     try:
         with torch.inference_mode():
             got = path.run(x, path.pack(w, 3), w, None, 3)
@@ -470,7 +493,14 @@ def _time_cells(weights: list[torch.Tensor], paths: list[KernelPath], rows_list:
     """rows -> path -> ms per call, the weights read from memory, the products bound as a decode binds them;
     paths interleaved within each repeat, medians."""
     out: dict[str, dict[str, float]] = {}
-    once = {p.name: [p.pack(w, 1) for w in weights] for p in paths if not p.per_rows}
+    once = {}
+    for p in [p for p in paths if not p.per_rows]:
+        try:
+            once[p.name] = [p.pack(w, 1) for w in weights]
+        except ValueError:  # weights not of the blocks the path needs: it is not timed for them, nor chosen
+            if not p.blocks:
+                raise
+    paths = [p for p in paths if p.per_rows or p.name in once]
     for rows in rows_list:
         x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
         products = {p.name: [p.bind(packed, w, None, rows) for w, packed in
@@ -564,13 +594,16 @@ def _again(say: Progress, shape: str, share: float) -> None:
     say(f"  {contention.took(share)} while {shape} was timed; timing it again...")
 
 
-def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool = False) -> str:
+def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool = False,
+           refused: frozenset[str] = frozenset()) -> str:
     """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be); a lossy
-    one only for a drafter's product; in_call: the fastest that native.layers runs ("linear" if none)."""
+    one only for a drafter's product; in_call: the fastest that native.layers runs ("linear" if none); not one of
+    the paths `refused`."""
     key = shape_key(weight)
     if key not in table(weight.dtype).times:
         tune([weight])
-    return table(weight.dtype).best(key, rows, lossy=lossy, in_call=weight.dtype if in_call else None)
+    return table(weight.dtype).best(key, rows, lossy=lossy, in_call=weight.dtype if in_call else None,
+                                    refused=refused)
 
 
 def row_class(rows: int) -> tuple[int, bool]:

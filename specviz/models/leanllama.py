@@ -110,6 +110,7 @@ class Linear(nn.Module):
         self.chosen: dict[tuple, str] = {}  # (in_call, kernels.row_class) -> the path chosen for that class
         self.packs: dict[tuple[str, int], torch.Tensor] = {}  # (path, rows or 0) -> packed weight
         self.products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # rows -> the bound product
+        self.refused: frozenset[str] = frozenset()  # paths whose pack refused this weight (not of their blocks)
 
     def path(self, rows: int, in_call: bool = False) -> tuple[str, torch.Tensor | None]:
         """(path, packed weight) for a product of `rows` rows; packs on first use (not while compiling:
@@ -125,7 +126,8 @@ class Linear(nn.Module):
             key = (in_call, kernels.row_class(rows))
             name = self.chosen.get(key)
             if name is None:
-                name = self.chosen[key] = kernels.choose(self.weight, rows, self.lossy, in_call) \
+                refused = {"refused": self.refused} if self.refused else {}
+                name = self.chosen[key] = kernels.choose(self.weight, rows, self.lossy, in_call, **refused) \
                     if self.weight.device.type == "cpu" else "linear"
             paths[rows] = name
         kind = kernels.PATHS[name]
@@ -134,8 +136,15 @@ class Linear(nn.Module):
         if packed is None and name != "linear":
             if torch.compiler.is_compiling():
                 return "linear", None
-            with torch.inference_mode():
-                packed = self.packs[key] = kind.pack(self.weight, rows)
+            try:
+                with torch.inference_mode():
+                    packed = self.packs[key] = kind.pack(self.weight, rows)
+            except ValueError:  # a weight not made of the path's blocks, of a shape timed on one that is
+                if not kind.blocks:
+                    raise
+                self.refused |= {name}
+                self.paths, self.call_paths, self.chosen = {}, {}, {}
+                return self.path(rows, in_call)
         return name, packed
 
     def forward(self, x: torch.Tensor, packed: bool = True) -> torch.Tensor:

@@ -44,6 +44,7 @@ import torch
 from .cachedir import cache_root, locked
 
 SOURCE = Path(__file__).with_name("gemm_avx2.c")
+SOURCES = (SOURCE, SOURCE.with_name("gemm_blocks.c"))  # compiled into one library
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
 PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
@@ -62,7 +63,8 @@ def _compiler() -> str:
 def digest() -> str:
     """What the built library and the timings of it depend on: the source and the flags (read once: every
     kernel-table lookup keys on it, and a model's first use of each row count looks the table up)."""
-    source = SOURCE.read_bytes() if SOURCE.is_file() else b""  # missing: build() says so, the path is skipped
+    # a file missing: build() says so, the paths are skipped
+    source = b"".join(path.read_bytes() if path.is_file() else b"" for path in SOURCES)
     return hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
@@ -75,8 +77,8 @@ def build(progress: Callable[[str], None] | None = None) -> Path:
         return built
     if built in _FAILED:
         raise RuntimeError(_FAILED[built])
-    if not SOURCE.is_file():
-        raise RuntimeError(f"{SOURCE.name} is missing from the installed package")
+    if missing := [path.name for path in SOURCES if not path.is_file()]:
+        raise RuntimeError(f"{', '.join(missing)} missing from the installed package")
     with locked(built, progress):
         if built.is_file():  # another process built it meanwhile
             return built
@@ -88,7 +90,7 @@ def build(progress: Callable[[str], None] | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(dir=built.parent, prefix=built.name, suffix=".tmp")
         os.close(fd)
         try:
-            out = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+            out = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                                  timeout=BUILD_TIMEOUT_S)
             if out.returncode:
                 _FAILED[built] = f"{Path(compiler).name} failed: {out.stderr.strip()[-300:]}"
@@ -126,7 +128,8 @@ def library() -> ctypes.CDLL:
         raise RuntimeError(why)
     lib = ctypes.CDLL(str(build()))
     for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16, lib.specviz_gemm512, lib.specviz_gemm512_bf16,
-                  lib.specviz_gemm_dot_bf16):  # x, w, b, y, m, n, and k (the pair kernel: k / 2)
+                  lib.specviz_gemm_dot_bf16, lib.specviz_gemm_q4, lib.specviz_gemm_q8, lib.specviz_gemm512_q4,
+                  lib.specviz_gemm512_q8):  # x, w, b, y, m, n, and k (the pair kernel: k / 2)
         entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
         entry.restype = None
     # x, w, y, rows, n, eps, share (the rows shared among threads or not: rms_bf16)
@@ -462,6 +465,141 @@ def bind_quads(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             raise TypeError(f"the int8 kernel takes bfloat16 rows, got {flat.dtype}")
         flat = flat.contiguous()
         y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, k)
+        return y
+
+    product.holds = packed, b
+    return product
+
+
+# --- a GGUF model's own blocks (gemm_blocks.c) ---------------------------------------------------
+
+GROUP = 32  # k per block of the file
+BLOCK_KERNELS = {("q4_1", False): "specviz_gemm_q4", ("q8_0", False): "specviz_gemm_q8",  # (format, avx512) ->
+                 ("q4_1", True): "specviz_gemm512_q4", ("q8_0", True): "specviz_gemm512_q8"}  # its kernel
+
+
+def _f16c() -> None:
+    """Raise unless the CPU widens float16 (F16C: every AVX2 CPU has it; the kernels widen the scales with it)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    if " f16c" not in flags:
+        raise RuntimeError("needs F16C (not listed in /proc/cpuinfo)")
+
+
+def _half(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """values (float32) as float16, raising where one is not a float16 exactly (then the weight is no `fmt`)."""
+    half = values.half()
+    if not torch.equal(half.float(), values):
+        raise ValueError(f"not {fmt} blocks: scales that are no float16")
+    return half
+
+
+def q4_1_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d, m, q) with weight = (d * q) + m in float32, bit for bit, per block of 32 k: d and m float16 [N, K / 32],
+    q in 0-15 [N, K]. Found from the float32 weight itself (a block's minimum is its m: Q4_1 gives the smallest
+    value q = 0; d is the float16 within a few units of (max - min) / 15 that rebuilds every weight), so any
+    model dequantized from Q4_1 blocks is packed again whatever file it came from; raises where a block is
+    none."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"k = {k} is no multiple of {GROUP}")
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)  # [N, G, 32]
+    m = _half(w.amin(-1), "Q4_1")  # [N, G]
+    span = (w.amax(-1) - m.float()) / 15
+    start = span.half().view(torch.int16)
+    found = torch.zeros(n, k // GROUP, dtype=torch.bool)
+    d = torch.zeros(n, k // GROUP, dtype=torch.float16)
+    q = torch.zeros(n, k // GROUP, GROUP, dtype=torch.uint8)
+    for step in (0, -1, 1, -2, 2, -3, 3):
+        cand = (start + step).clamp_min(0).view(torch.float16)  # [N, G], float16 neighbours of the estimate
+        scale = cand.float()[..., None]
+        tried = torch.where(scale > 0, ((w - m.float()[..., None]) / scale.clamp_min(1e-30)).round(), 0).clamp(0, 15)
+        fits = ((scale * tried + m.float()[..., None]) == w).all(-1) & ~found
+        d, found = torch.where(fits, cand, d), found | fits
+        q = torch.where(fits[..., None], tried.to(torch.uint8), q)
+        if found.all():
+            return d, m, q.reshape(n, k)
+    raise ValueError(f"not Q4_1 blocks: {int((~found).sum())} of {found.numel()} blocks of 32")
+
+
+def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, q) with weight = d * q in float32, bit for bit, per block of 32 k: d float16 [N, K / 32], q int8 in
+    -127-127 [N, K]; Q8_0 gives a block's largest |value| q = ±127, so d = max |w| / 127 (exact); raises where
+    a block is none."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"k = {k} is no multiple of {GROUP}")
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    d = _half(w.abs().amax(-1) / 127, "Q8_0")
+    scale = d.float()[..., None]
+    q = torch.where(scale > 0, (w / scale.clamp_min(1e-30)).round(), 0).clamp(-127, 127)
+    if not torch.equal(scale * q, w):
+        raise ValueError("not Q8_0 blocks")
+    return d, q.to(torch.int8).reshape(n, k)
+
+
+def as_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """weight quantized to Q4_1 blocks as ggml quantizes (d = (max - min) / 15, m = min, both float16) and made
+    float32 again as gguf-py does, (d * q) + m: a weight of the kind a GGUF model's layers have."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, d = w.amin(-1, keepdim=True), (w.amax(-1, keepdim=True) - w.amin(-1, keepdim=True)) / 15
+    q = ((w - low) * torch.where(d > 0, 1 / d, 0) + 0.5).floor().clamp(0, 15)
+    return (d.half().float() * q + low.half().float()).reshape(n, k)
+
+
+def as_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """weight quantized to Q8_0 blocks (d = max |w| / 127, float16) and made float32 again, d * q."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    q = (w * torch.where(d > 0, 1 / d, 0)).round().clamp(-127, 127)
+    return (d.half().float() * q).reshape(n, k)
+
+
+def pack_blocks(weight: torch.Tensor, fmt: str, avx512: bool = False) -> torch.Tensor:
+    """weight [N, K] as gemm_blocks.c reads it in `fmt` ("q4_1" or "q8_0"): per 16 output columns and 32 k, the
+    float16 scales then the integers (uint8, flat); columns padded to 16 with zero weights. Raises where the
+    weight is not made of such blocks, or the kernel (avx512: its AVX-512 one) cannot run here."""
+    library()
+    _f16c()
+    if avx512:
+        wide()
+    n, k = weight.shape
+    blocks, groups = -(-n // BLOCK), k // GROUP
+    pad = blocks * BLOCK - n
+
+    def by_block(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [blocks, 16, ...], zero-padded columns
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).view(blocks, BLOCK, *t.shape[1:])
+
+    if fmt == "q4_1":
+        d, m, q = q4_1_blocks(weight)
+        scales = [by_block(s).transpose(1, 2).contiguous().view(torch.uint8) for s in (d, m)]  # [B, G, 32] each
+        q = by_block(q).view(blocks, BLOCK, groups, GROUP // 2, 2)  # [B, 16 columns, G, 16 pairs, 2]
+        ints = (q[..., 0] | q[..., 1] << 4).permute(0, 2, 3, 1).reshape(blocks, groups, -1)  # [B, G, 256]
+    elif fmt == "q8_0":
+        d, q = q8_0_blocks(weight)
+        scales = [by_block(d).transpose(1, 2).contiguous().view(torch.uint8)]
+        ints = by_block(q).view(blocks, BLOCK, groups, GROUP).permute(0, 2, 3, 1).reshape(blocks, groups, -1)
+        ints = ints.view(torch.uint8)
+    else:
+        raise ValueError(f"no kernel for blocks {fmt!r}")
+    return torch.cat([*scales, ints], -1).reshape(-1).contiguous()
+
+
+def bind_blocks(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                avx512: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product x [..., K] @ weight.T + bias -> [..., N] in float32 through the packed blocks."""
+    n, k = weight.shape
+    entry = getattr(library(), BLOCK_KERNELS[fmt, avx512])
+    b = None if bias is None else bias.float().contiguous()
+    at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, k).contiguous()
+        if flat.dtype != torch.float32:
+            raise TypeError(f"the blocks kernel multiplies float32, got {flat.dtype}")
+        y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
         entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, k)
         return y
 

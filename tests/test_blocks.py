@@ -1,0 +1,94 @@
+"""The kernels on a GGUF model's own blocks (gemm_blocks.c): the float32 model's weights, bit for bit, in a fifth
+of the bytes; the same sums as specviz's float32 kernel at every row count; weights of other kinds refused."""
+
+import pytest
+import torch
+
+from specviz.models import kernels, native
+
+pytestmark = pytest.mark.skipif(bool(native._capability()), reason="needs AVX2 and FMA")
+
+FORMATS = {"q4_1": native.as_q4_1, "q8_0": native.as_q8_0}
+
+
+def made(fmt: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return FORMATS[fmt](torch.randn(n, k, generator=gen) * 0.05)
+
+
+def wide() -> bool:
+    try:
+        native.wide()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(96, 64), (100, 160), (7, 32)])  # whole blocks, a cut last block, one block
+@pytest.mark.parametrize("avx512", [False, pytest.param(True, marks=pytest.mark.skipif(not wide(),
+                                                                                      reason="needs AVX-512"))])
+def test_the_blocks_kernel_gives_the_float32_kernels_bits_at_every_row_count(fmt, shape, avx512):
+    """Each output is the float32 kernel's chain of FMAs on the same float32 weights, so the sums agree bit for
+    bit with specviz_gemm's at 1-25 rows (the AVX-512 kernel's too: passes of 12 rows), bias added, and a row's
+    result is the same alone as beside others."""
+    w = made(fmt, *shape)
+    bias = torch.randn(shape[0])
+    ours = native.bind_blocks(native.pack_blocks(w, fmt, avx512), w, bias, fmt, avx512)
+    floats = native.bind(native.pack(w), w, bias)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 25):
+        x = torch.randn(rows, shape[1])
+        y = ours(x)
+        assert torch.equal(y, floats(x)), (rows, (y - floats(x)).abs().max())
+        assert torch.equal(ours(x[-1:]), y[-1:])  # the last row alone: the same bits
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_blocks_are_found_again_from_the_float32_weights():
+    """A Q4_1 (Q8_0) weight made float32 is split into d, m and q again that rebuild it exactly; its packed
+    bytes are the file's size, 0.625 (1.0625) a weight for whole blocks of 16 columns."""
+    w = made("q4_1", 64, 96)
+    d, m, q = native.q4_1_blocks(w)
+    assert d.dtype == m.dtype == torch.float16 and int(q.max()) <= 15
+    rebuilt = d.float().repeat_interleave(32, 1) * q.float() + m.float().repeat_interleave(32, 1)
+    assert torch.equal(rebuilt, w)
+    assert native.pack_blocks(w, "q4_1").numel() == 64 * 96 * 5 // 8
+    w8 = made("q8_0", 64, 96)
+    d8, q8 = native.q8_0_blocks(w8)
+    assert torch.equal(d8.float().repeat_interleave(32, 1) * q8.float(), w8)
+    assert native.pack_blocks(w8, "q8_0").numel() == 64 * 96 * 17 // 16
+
+
+def test_weights_not_made_of_blocks_are_refused():
+    """A plain float32 weight, k not a multiple of 32, or Q8_0 asked of a Q4_1 weight: ValueError, which the
+    kernel table and `Linear` take as "not this path for this weight"."""
+    with pytest.raises(ValueError, match="not Q4_1"):
+        native.pack_blocks(torch.randn(32, 64), "q4_1")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.pack_blocks(native.as_q4_1(torch.randn(32, 64))[:, :48], "q4_1")
+    with pytest.raises(ValueError):
+        native.pack_blocks(made("q4_1", 32, 64), "q8_0")
+
+
+def test_the_table_leaves_out_a_blocks_path_for_weights_not_of_its_blocks():
+    """Timing a shape whose weights are plain float32: the blocks paths are not timed, so never chosen for it;
+    for Q4_1 weights the q4 path is timed beside avx2."""
+    plain = [torch.randn(48, 64)]
+    cells = kernels._time_cells(plain, [kernels.PATHS[p] for p in ("avx2", "q4", "q8")], [1])
+    assert set(cells["1"]) == {"avx2"}
+    cells = kernels._time_cells([made("q4_1", 48, 64)], [kernels.PATHS[p] for p in ("avx2", "q4", "q8")], [1])
+    assert set(cells["1"]) == {"avx2", "q4"}
+
+
+def test_a_linear_whose_weight_a_chosen_blocks_path_refuses_takes_the_next_path(monkeypatch):
+    """A shape timed on Q4_1 weights, another weight of it that is not: its pack refuses it, the product takes
+    the next fastest path and says the same numbers."""
+    from specviz.models.leanllama import Linear
+
+    monkeypatch.setattr(kernels, "choose", lambda w, rows, lossy=False, in_call=False, refused=(): "q4"
+                        if "q4" not in refused else "avx2")
+    w = torch.randn(48, 64)
+    linear = Linear(w, None)
+    x = torch.randn(2, 64)
+    assert torch.equal(linear(x), native.bind(native.pack(w), w, None)(x))
+    assert linear.refused == {"q4"} and linear.paths == {2: "avx2"}
