@@ -14,7 +14,9 @@ row get a one-token step's bits), RoPE with the cache writes (`rope_store_bf16`)
 with float32 versions of them; a bfloat16 model's products on the FMA kernels widen its rows to float32 there, as
 `kernels._native` does op by op); a greedy round's argmax over the vocabulary (`argmax`); and, for bfloat16
 drafters on CPUs with AVX512-VNNI, a product in 8-bit integers (the path "vnni-int8", `pack_quads`: half the
-bytes of bfloat16 weights, lossy, so the EAGLE head's products only).
+bytes of bfloat16 weights, lossy, so the EAGLE head's products only). `gemm_blocks.c`, compiled into the same
+library, multiplies float32 rows by a GGUF model's Q4_1 / Q8_0 blocks ("q4", "q8", and "-512" in AVX-512
+registers; `pack_blocks`): the float32 model's weights bit for bit in a fifth of the bytes.
 
 The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
 multiplies by (1 row a step, a few a verify): on a 2-core AVX2 machine a weight streamed once per
@@ -377,13 +379,19 @@ def bind(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         entry = lib.specviz_gemm512_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm512
     else:
         entry = lib.specviz_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.specviz_gemm
+    return _float32_product(entry, packed, bias, n, k, "the avx2 kernel")
+
+
+def _float32_product(entry, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+                     what: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [..., K] -> [..., N] in float32 through a C kernel entry(x, w, b, y, rows, n, k) on float32 rows."""
     b = None if bias is None else bias.float().contiguous()  # held by the product while the kernel reads it
     at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
 
     def product(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, k).contiguous()
         if flat.dtype != torch.float32:
-            raise TypeError(f"the avx2 kernel multiplies float32, got {flat.dtype}")
+            raise TypeError(f"{what} multiplies float32, got {flat.dtype}")
         y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
         entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, k)
         return y
@@ -479,6 +487,7 @@ BLOCK_KERNELS = {("q4_1", False): "specviz_gemm_q4", ("q8_0", False): "specviz_g
                  ("q4_1", True): "specviz_gemm512_q4", ("q8_0", True): "specviz_gemm512_q8"}  # its kernel
 
 
+@functools.cache
 def _f16c() -> None:
     """Raise unless the CPU widens float16 (F16C: every AVX2 CPU has it; the kernels widen the scales with it)."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
@@ -591,17 +600,4 @@ def bind_blocks(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 avx512: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """The product x [..., K] @ weight.T + bias -> [..., N] in float32 through the packed blocks."""
     n, k = weight.shape
-    entry = getattr(library(), BLOCK_KERNELS[fmt, avx512])
-    b = None if bias is None else bias.float().contiguous()
-    at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
-
-    def product(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, k).contiguous()
-        if flat.dtype != torch.float32:
-            raise TypeError(f"the blocks kernel multiplies float32, got {flat.dtype}")
-        y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-        entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, k)
-        return y
-
-    product.holds = packed, b
-    return product
+    return _float32_product(getattr(library(), BLOCK_KERNELS[fmt, avx512]), packed, bias, n, k, "the blocks kernel")
