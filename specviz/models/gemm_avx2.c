@@ -21,31 +21,7 @@
 #include <stdint.h>
 
 #define INLINE static inline __attribute__((always_inline))
-
-/* 16 sums (+ b) into y[n0..], the columns below n, in vectors (masked in a last block that n cuts): a scalar
-   loop here was vectorized by gcc -O3 at each of its hundreds of inlined sites, most of the file's compile time. */
-INLINE void store_row(__m256 lo, __m256 hi, const float *b, float *y, int n, int n0)
-{
-    int cols = n - n0 < 16 ? n - n0 : 16;
-    if (cols == 16) {
-        if (b) {
-            lo = _mm256_add_ps(lo, _mm256_loadu_ps(b + n0));
-            hi = _mm256_add_ps(hi, _mm256_loadu_ps(b + n0 + 8));
-        }
-        _mm256_storeu_ps(y + n0, lo);
-        _mm256_storeu_ps(y + n0 + 8, hi);
-        return;
-    }
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i keep_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);
-    __m256i keep_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane);
-    if (b) {
-        lo = _mm256_add_ps(lo, _mm256_maskload_ps(b + n0, keep_lo));
-        hi = _mm256_add_ps(hi, _mm256_maskload_ps(b + n0 + 8, keep_hi));
-    }
-    _mm256_maskstore_ps(y + n0, keep_lo, lo);
-    _mm256_maskstore_ps(y + n0 + 8, keep_hi, hi);
-}
+#include "gemm_store.h"
 
 /* The 16 weights of a block at k as two float32 vectors (bf16: a literal 0 or 1 where inlined, rows a
    constant). A bfloat16 is the top half of a float32. native.pack stores a bfloat16 block's columns as 0-3,
@@ -154,14 +130,6 @@ void specviz_gemm_bf16(const float *x, const uint16_t *w, const float *b, float 
 #define INLINE512 static inline __attribute__((always_inline, target("avx512f")))
 #define KERNEL512 __attribute__((target("avx512f")))
 
-INLINE512 void store16(__m512 acc, const float *b, float *y, int n, int n0)
-{
-    __mmask16 keep = (__mmask16)((1u << (n - n0 < 16 ? n - n0 : 16)) - 1);
-    if (b)
-        acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(keep, b + n0));
-    _mm512_mask_storeu_ps(y + n0, keep, acc);
-}
-
 INLINE512 __m512 load16_512(const void *wb, int bf16, int k)
 {
     if (bf16) {
@@ -172,7 +140,7 @@ INLINE512 __m512 load16_512(const void *wb, int bf16, int k)
 }
 
 #define ROW512(r, acc) if (rows > r) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[(size_t)r * k_len + k]), w, acc);
-#define STORE512(r, acc) if (rows > r) store16(acc, b, y + (size_t)r * n, n, n0);
+#define STORE512(r, acc) if (rows > r) store16_512(acc, b, y + (size_t)r * n, n, n0);
 
 INLINE512 void rows_by_block512(const float *x, const void *wb, const char *next, int bf16, const float *b, float *y,
                                 int rows, int k_len, int n, int n0)

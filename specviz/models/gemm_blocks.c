@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "gemm_store.h"
+
 #define INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 #define GROUP 32                /* k per block of the file */
 #define Q4_GROUP_BYTES 320      /* 16 columns x 32 k of Q4_1 */
@@ -63,21 +65,6 @@ INLINE void q8_tile(const uint8_t *g, float *tile)
     }
 }
 
-/* 16 sums (+ b) into y[n0..], the columns below n (a last block that n cuts stores fewer). */
-INLINE void store16(__m256 lo, __m256 hi, const float *b, float *y, int n, int n0)
-{
-    int cols = n - n0 < 16 ? n - n0 : 16;
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i keep_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);
-    __m256i keep_hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane);
-    if (b) {
-        lo = _mm256_add_ps(lo, _mm256_maskload_ps(b + n0, keep_lo));
-        hi = _mm256_add_ps(hi, _mm256_maskload_ps(b + n0 + 8, keep_hi));
-    }
-    _mm256_maskstore_ps(y + n0, keep_lo, lo);
-    _mm256_maskstore_ps(y + n0 + 8, keep_hi, hi);
-}
-
 /* The accumulators are named variables, not an array: compilers keep an indexed array in memory. */
 #define ROW(r, lo, hi)                                                                             \
     if (rows > r) {                                                                                \
@@ -85,7 +72,7 @@ INLINE void store16(__m256 lo, __m256 hi, const float *b, float *y, int n, int n
         lo = _mm256_fmadd_ps(xv, w0, lo);                                                          \
         hi = _mm256_fmadd_ps(xv, w1, hi);                                                          \
     }
-#define STORE(r, lo, hi) if (rows > r) store16(lo, hi, b, y + (size_t)r * n, n, n0);
+#define STORE(r, lo, hi) if (rows > r) store_row(lo, hi, b, y + (size_t)r * n, n, n0);
 
 /* One pass of `rows` rows (1-6, a constant where it is inlined) over one block of 16 columns. */
 INLINE void pass(const float *x, const uint8_t *wb, int q8, const float *b, float *y, int rows, int k_len, int n,
@@ -223,14 +210,6 @@ INLINE512 void q8_tile512(const uint8_t *g, float *tile)
     for (int k = 0; k < GROUP; k++)
         _mm512_store_ps(tile + 16 * k, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                               _mm_loadu_si128((const __m128i *)(q + 16 * k))))));
-}
-
-INLINE512 void store16_512(__m512 acc, const float *b, float *y, int n, int n0)
-{
-    __mmask16 keep = (__mmask16)((1u << (n - n0 < 16 ? n - n0 : 16)) - 1);
-    if (b)
-        acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(keep, b + n0));
-    _mm512_mask_storeu_ps(y + n0, keep, acc);
 }
 
 #define ROW512(r, acc) if (rows > r) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[(size_t)r * k_len + k0 + k]), w, acc);

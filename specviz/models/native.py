@@ -47,6 +47,7 @@ from .cachedir import cache_root, locked
 
 SOURCE = Path(__file__).with_name("gemm_avx2.c")
 SOURCES = (SOURCE, SOURCE.with_name("gemm_blocks.c"))  # compiled into one library
+HEADERS = (SOURCE.with_name("gemm_store.h"),)  # that both include
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
 PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
@@ -66,7 +67,7 @@ def digest() -> str:
     """What the built library and the timings of it depend on: the source and the flags (read once: every
     kernel-table lookup keys on it, and a model's first use of each row count looks the table up)."""
     # a file missing: build() says so, the paths are skipped
-    source = b"".join(path.read_bytes() if path.is_file() else b"" for path in SOURCES)
+    source = b"".join(path.read_bytes() if path.is_file() else b"" for path in (*SOURCES, *HEADERS))
     return hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
@@ -79,7 +80,7 @@ def build(progress: Callable[[str], None] | None = None) -> Path:
         return built
     if built in _FAILED:
         raise RuntimeError(_FAILED[built])
-    if missing := [path.name for path in SOURCES if not path.is_file()]:
+    if missing := [path.name for path in (*SOURCES, *HEADERS) if not path.is_file()]:
         raise RuntimeError(f"{', '.join(missing)} missing from the installed package")
     with locked(built, progress):
         if built.is_file():  # another process built it meanwhile
