@@ -92,3 +92,100 @@ def test_a_linear_whose_weight_a_chosen_blocks_path_refuses_takes_the_next_path(
     x = torch.randn(2, 64)
     assert torch.equal(linear(x), native.bind(native.pack(w), w, None)(x))
     assert linear.refused == {"q4"} and linear.paths == {2: "avx2"}
+
+
+def test_the_blocks_unpack_to_the_weight_they_were_packed_from():
+    """unpack_blocks, which makes a let-go weight again, gives the float32 values packed, bit for bit."""
+    for fmt in FORMATS:
+        for shape in ((96, 64), (100, 160), (7, 32)):
+            w = made(fmt, *shape)
+            assert torch.equal(native.unpack_blocks(native.pack_blocks(w, fmt), fmt, *shape), w)
+
+
+def timed(shape: str, **ms: float) -> None:
+    """The float32 table's cells for a shape: these paths at these ms, at every row count."""
+    kernels.table(torch.float32).times[shape] = {str(r): dict(ms) for r in kernels.ROWS}
+
+
+def test_a_weight_of_blocks_keeps_only_them_where_they_serve_every_call(fresh_tables):
+    """Where a blocks path is the fastest (or within BLOCKS_MARGIN of it) at every row count, the float32 weight
+    goes: a stand-in of its shape with no bytes; products give the same bits as before; dense() makes the weight
+    again. Where a float path is clearly faster at some row count, the weight stays."""
+    from specviz.models.leanllama import Linear
+
+    w = made("q4_1", 48, 64)
+    x = torch.randn(3, 64)
+    timed("48x64", avx2=1.0, q4=1.1)  # within the margin: blocks everywhere
+    lin = Linear(w, None)
+    before = lin(x)
+    assert lin.keep_blocks() and lin.released == "q4_1"
+    assert lin.weight.shape == w.shape and lin.weight.untyped_storage().nbytes() <= 4
+    assert set(lin.paths.values()) == {"q4"} and torch.equal(lin(x), before)
+    assert torch.equal(lin.dense(), w) and not lin.released
+    timed("48x64", avx2=1.0, q4=2.0)
+    kept = Linear(w, None)
+    assert not kept.keep_blocks() and torch.equal(kept.weight, w)
+    timed("48x64", avx2=1.0)  # no blocks path timed (a plain weight of the shape): nothing to keep
+    assert not Linear(w, None).keep_blocks()
+
+
+def test_specviz_blocks_0_keeps_to_the_float32_weights(fresh_tables, monkeypatch):
+    timed("48x64", avx2=1.0, q4=0.1)
+    assert kernels.table(torch.float32).best("48x64", 1) == "q4"
+    monkeypatch.setenv("SPECVIZ_BLOCKS", "0")
+    assert kernels.table(torch.float32).best("48x64", 1) == "avx2"
+
+
+@pytest.fixture
+def blocks_llama(tmp_path):
+    """A Llama whose layers' weights are Q4_1 blocks made float32 (as a GGUF model loads), saved and loaded."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=50, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layers" in name and p.dim() == 2:
+                p.copy_(native.as_q4_1(p))
+    model.save_pretrained(tmp_path / "m")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+
+
+def test_a_model_of_blocks_lets_its_layers_float32_go_and_transformers_forward_gets_them_back(fresh_tables,
+                                                                                               blocks_llama):
+    """Every layer product on blocks: lean and transformers' weights alike become stand-ins (the memory goes);
+    the lean products give the bits they gave; transformers' first forward makes the weights again, and its
+    logits are the ones it gave before."""
+    from specviz.models.leanllama import LeanLlama
+
+    model = blocks_llama
+    for shape in ("128x64", "64x64", "256x64", "64x128"):
+        timed(shape, avx2=1.0, q4=0.5)
+    timed("50x64", avx2=1.0)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.inference_mode():
+        logits = model(ids).logits
+    lean = LeanLlama.of(model)
+    x = torch.randn(2, 64)
+    before = lean.layers[0].qkv(x)
+    assert lean.keep_blocks(model) == 8
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().nbytes() <= 4 and lean.layers[1].down.released == "q4_1"
+    assert torch.equal(lean.layers[0].qkv(x), before)
+    assert "Q4_1" in lean.weights_read() and "MB a step" in lean.weights_read()
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, logits)
+    assert attn.q_proj.weight.untyped_storage().nbytes() == 64 * 64 * 4
+
+
+def test_auto_weighs_the_blocks_a_models_file_has(fresh_tables):
+    """With the model's products given (a GGUF's), float32 is timed reading its blocks: bfloat16 faster on the
+    head alone, float32 faster on the whole model where the layers' blocks are the cheapest."""
+    for shape, f32, bf16 in (("64x64", {"avx2": 1.0, "q4": 0.2}, 0.5), ("50x64", {"avx2": 1.0}, 0.5)):
+        timed(shape, **f32)
+        kernels.table(torch.bfloat16).times[shape] = {str(r): {"avx2": bf16} for r in kernels.ROWS}
+    assert kernels.compare_dtypes(50, 64)[0] == torch.bfloat16
+    dtype, why = kernels.compare_dtypes(50, 64, products=((64, 64, 10, "q4_1"), (50, 64, 1, "")))
+    assert dtype == torch.float32 and "11 products" in why

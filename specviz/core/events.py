@@ -168,6 +168,7 @@ class RunMeta:
     versions: dict[str, str] = field(default_factory=dict)
     machine: str = ""  # where it ran: CPU model and instruction-set class, threads (or the GPU)
     dtype_reason: str = ""  # why this dtype: asked for, or what `auto` measured on that machine
+    weights: str = ""  # what a step of the target read of its weights ("" where unknown)
     branch: int = 1  # children per drafted node (1: chains)
     nodes: int = 0  # drafts a tree round verifies at most (0: all it drafted)
 

@@ -306,6 +306,7 @@ def make_meta(pair: ModelPair, mode: str, prompt: str, prompt_ids: list[int], se
         versions=_versions(),
         machine=machine_name(pair.device),
         dtype_reason=pair.dtype_reason,
+        weights=pair.weights,
         branch=settings.branch if speculative else 1,
         nodes=settings.nodes if speculative and settings.branch > 1 else 0,
     )

@@ -357,6 +357,8 @@ class KernelTable:
         if not by_rows:
             return "linear"
         timed = sorted(int(r) for r in by_rows)
+        if not blocks_on():
+            refused = refused | {p.name for p in PATHS.values() if p.blocks}
 
         def fastest(rows: int, numbers: str | None = None, bits: str | None = None) -> str | None:
             at = timed_rows(rows, timed)
@@ -453,6 +455,12 @@ def _runs_here(path: KernelPath, dtype: torch.dtype) -> str:
     if not torch.allclose(got.double(), want, rtol=0.05, atol=0.05 * float(want.abs().max()) if path.lossy else atol):
         return "gives wrong results on this CPU"
     return ""
+
+
+def blocks_on() -> bool:
+    """Whether products may read a GGUF model's blocks; SPECVIZ_BLOCKS=0 keeps to the float32 weights any model
+    has (the same numbers, more bytes), to compare the two."""
+    return os.environ.get("SPECVIZ_BLOCKS", "").lower() not in ("0", "false", "no", "off")
 
 
 def unavailable(dtype: torch.dtype) -> dict[str, str]:
@@ -606,6 +614,25 @@ def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool =
                                     refused=refused)
 
 
+BLOCKS_MARGIN = 1.15  # a weight of blocks keeps to them where they take at most this times the fastest path's time
+
+
+def blocks_path(weight: torch.Tensor, rows: int, in_call: bool, chosen: str, refused: frozenset[str]) -> str:
+    """For a weight made of a file's blocks, the path at `rows` that keeps it to them: the fastest blocks path
+    where `chosen` (the fastest) reads floats and the blocks path is within BLOCKS_MARGIN of it, else `chosen`.
+    Where every call reads the blocks the float32 weight need not be kept (Linear.keep_blocks): a few per cent
+    on one row count is not worth five times the weight's bytes in memory."""
+    if PATHS[chosen].blocks:
+        return chosen
+    t = table(weight.dtype)
+    key = shape_key(weight)
+    ms = t.times.get(key, {}).get(str(timed_rows(rows, sorted(int(r) for r in t.times.get(key, {"1": 0})))), {})
+    others = frozenset(p for p in PATHS if not PATHS[p].blocks) | refused
+    alt = t.best(key, rows, in_call=weight.dtype if in_call else None, refused=others)
+    return alt if PATHS[alt].blocks and alt in ms and chosen in ms and ms[alt] <= BLOCKS_MARGIN * ms[chosen] \
+        else chosen
+
+
 def row_class(rows: int) -> tuple[int, bool]:
     """Row counts that `KernelTable.best` answers alike for a shape timed at ROWS (as `tune` times every shape):
     the timed row count standing for them, and whether they are within the timed ones (a path that packs per row
@@ -623,19 +650,26 @@ def timed_rows(rows: int, timed: tuple[int, ...] | list[int] = ROWS) -> int:
 
 
 def compare_dtypes(out_features: int, in_features: int, rows: tuple[int, ...] = (1, 3),
-                   progress: Progress | None = None) -> tuple[torch.dtype, str]:
-    """(dtype, why): bfloat16 if its fastest kernel for the model's largest matrix (the output head,
-    out x in) beats float32's at these timed row counts (a step and a verify pass, or a batch's), measured here;
-    else float32."""
-    ms = {}
-    for dtype in (torch.float32, torch.bfloat16):
+                   progress: Progress | None = None,
+                   products: tuple[tuple[int, int, int, str], ...] = ()) -> tuple[torch.dtype, str]:
+    """(dtype, why): bfloat16 if its fastest kernels beat float32's at these timed row counts (a step and a verify
+    pass, or a batch's), measured here; else float32. Timed on the model's largest matrix (the output head, out x
+    in), or, for a model made of a file's blocks, on all its products (out, in, how many, blocks format or ""):
+    in float32 they may read the blocks (a weight of that format is timed), which bfloat16 cannot."""
+    ms = dict.fromkeys((torch.float32, torch.bfloat16), 0.0)
+    for dtype in ms:
         t = table(dtype)
-        key = f"{out_features}x{in_features}"
-        if key not in t.times:
-            tune([torch.randn(out_features, in_features).to(dtype) / in_features ** 0.5], progress)
-        ms[dtype] = sum(t.times[key][str(r)][t.best(key, r)] for r in rows)  # rows are among ROWS
-    label = f"the output head ({out_features}x{in_features}) at {'+'.join(map(str, rows))} rows"
-    return faster_dtype(label, ms[torch.float32], ms[torch.bfloat16])
+        for out, inp, count, fmt in products or ((out_features, in_features, 1, ""),):
+            key, blocks = f"{out}x{inp}", fmt if dtype == torch.float32 else ""
+            timed = t.times.get(key, {}).get("1", {})
+            if not timed or (blocks and not any(PATHS[p].blocks == blocks for p in timed if p in PATHS)):
+                weight = torch.randn(out, inp) / inp ** 0.5
+                sample = next((p.sample for p in PATHS.values() if blocks and p.blocks == blocks), None)
+                tune([(sample(weight) if sample else weight).to(dtype)], progress, retune=bool(timed))
+            ms[dtype] += count * sum(t.times[key][str(r)][t.best(key, r)] for r in rows)  # rows are among ROWS
+    what = (f"the model's {sum(c for *_, c, _ in products)} products (float32 reading its file's blocks)" if products
+            else f"the output head ({out_features}x{in_features})")
+    return faster_dtype(f"{what} at {'+'.join(map(str, rows))} rows", ms[torch.float32], ms[torch.bfloat16])
 
 
 BF16_MARGIN = 0.9  # bfloat16 is chosen only where it takes less than this part of float32's time

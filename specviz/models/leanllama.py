@@ -111,6 +111,7 @@ class Linear(nn.Module):
         self.packs: dict[tuple[str, int], torch.Tensor] = {}  # (path, rows or 0) -> packed weight
         self.products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # rows -> the bound product
         self.refused: frozenset[str] = frozenset()  # paths whose pack refused this weight (not of their blocks)
+        self.released = ""  # the blocks format whose packed copy is the only copy of the weight (keep_blocks)
 
     def path(self, rows: int, in_call: bool = False) -> tuple[str, torch.Tensor | None]:
         """(path, packed weight) for a product of `rows` rows; packs on first use (not while compiling:
@@ -119,20 +120,26 @@ class Linear(nn.Module):
         paths = self.call_paths if in_call else self.paths
         name = paths.get(rows)
         if name is None:
-            if torch.compiler.is_compiling():  # a row count not planned before tracing: plain
-                return "linear", None
             # rows of one class share their timings (a prompt's length is a new row count, each of its rows
             # no new choice)
             key = (in_call, kernels.row_class(rows))
             name = self.chosen.get(key)
-            if name is None:
-                refused = {"refused": self.refused} if self.refused else {}
-                name = self.chosen[key] = kernels.choose(self.weight, rows, self.lossy, in_call, **refused) \
-                    if self.weight.device.type == "cpu" else "linear"
-            paths[rows] = name
+            if torch.compiler.is_compiling():  # a row count not planned before tracing: its class's path, if packed
+                if name is None:
+                    return "linear", None
+            else:
+                if name is None:
+                    refused = {"refused": self.refused} if self.refused else {}
+                    name = self.chosen[key] = kernels.choose(self.weight, rows, self.lossy, in_call, **refused) \
+                        if self.weight.device.type == "cpu" else "linear"
+                paths[rows] = name
         kind = kernels.PATHS[name]
         key = (name, rows if kind.per_rows else 0)
         packed = self.packs.get(key)
+        if packed is None and kind.blocks:  # the kernels on one format of blocks read one layout: one copy
+            packed = next((p for (n, _), p in self.packs.items() if kernels.PATHS[n].blocks == kind.blocks), None)
+            if packed is not None and not torch.compiler.is_compiling():
+                self.packs[key] = packed
         if packed is None and name != "linear":
             if torch.compiler.is_compiling():
                 return "linear", None
@@ -147,9 +154,40 @@ class Linear(nn.Module):
                 return self.path(rows, in_call)
         return name, packed
 
+    def keep_blocks(self) -> bool:
+        """Let the float32 weight go where the file's blocks can serve every call: every row class's path, alone
+        and in native.layers' call, reads one format of blocks (kernels.blocks_path: the blocks one where it is
+        about as fast). The packed blocks are then its only copy, a fifth of its bytes, and the weight a stand-in
+        of its shape (dense() makes it again). Whether it let go."""
+        if not self.released and self.weight.device.type == "cpu":
+            classes = [(rows, in_call) for rows in (*kernels.ROWS, kernels.ROWS[-1] + 1) for in_call in (False, True)]
+            kept = {c: kernels.blocks_path(self.weight, *c, self.path(*c)[0], self.refused) for c in classes}
+            formats = {kernels.PATHS[name].blocks for name in kept.values()}
+            if len(formats) == 1 and "" not in formats:
+                self.chosen = {(in_call, kernels.row_class(rows)): name for (rows, in_call), name in kept.items()}
+                self.paths, self.call_paths, self.products = {}, {}, {}
+                self.packs = {key: p for key, p in self.packs.items() if kernels.PATHS[key[0]].blocks}
+                for c in classes:
+                    self.path(*c)
+                self.released = formats.pop()
+                self.weight = nn.Parameter(self.weight.new_zeros(()).expand(self.weight.shape), requires_grad=False)
+        return bool(self.released)
+
+    def blocks(self) -> torch.Tensor | None:
+        """The packed blocks of the weight, where a path packed them."""
+        return next((p for (n, _), p in self.packs.items() if kernels.PATHS[n].blocks), None)
+
+    def dense(self) -> torch.Tensor:
+        """The float32 weight, made again from the blocks (the same values, bit for bit) where it was let go."""
+        if self.released:
+            n, k = self.weight.shape
+            self.weight = nn.Parameter(native.unpack_blocks(self.blocks(), self.released, n, k), requires_grad=False)
+            self.released = ""
+        return self.weight
+
     def forward(self, x: torch.Tensor, packed: bool = True) -> torch.Tensor:
         if not packed:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.dense(), self.bias)
         rows = x.shape[:-1].numel()
         if torch.compiler.is_compiling():
             name, weight_packed = self.path(rows)
@@ -478,6 +516,57 @@ class LeanLlama(nn.Module):
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
+
+    @torch.inference_mode()
+    def keep_blocks(self, model: PreTrainedModel) -> int:
+        """Where a layer's product reads the file's blocks at every row count (Linear.keep_blocks), let its
+        float32 weights go, the lean forward's and transformers' model's alike: a GGUF model then holds its
+        layers as the file does. transformers' forward (HF `generate`, the dynamic caches, distilling) needs
+        them: the first one makes them again from the blocks, the same values. Returns the products let go."""
+        let = []
+        for lean, layer in zip(self.layers, model.model.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin, sources in ((lean.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (lean.o, (attn.o_proj,)),
+                                 (lean.gate_up, (mlp.gate_proj, mlp.up_proj)), (lean.down, (mlp.down_proj,))):
+                if lin.keep_blocks():
+                    for source in sources:
+                        source.weight = nn.Parameter(lin.weight[: source.out_features], requires_grad=False)
+                    let.append((lin, sources))
+        if let:
+            self.native_plans = {}  # their addresses may have changed
+            # The rest (embedding, norms) may be views of the loaded file's memory map, which holds every page of
+            # it read while they live: copies of their own let the map, and the weights let go, leave memory.
+            standins = {id(source.weight) for _, sources in let for source in sources}
+            for tensor in (*model.parameters(), *model.buffers()):
+                if id(tensor) not in standins:
+                    tensor.data = tensor.data.clone()
+            self.head.weight.data = model.get_output_embeddings().weight.data
+
+            def remake(module, args, kwargs):
+                with torch.inference_mode(False), torch.no_grad():
+                    for lin, sources in let:
+                        n, k = lin.weight.shape
+                        whole = native.unpack_blocks(lin.blocks(), lin.released, n, k)
+                        for source, part in zip(sources, whole.split([s.out_features for s in sources]),
+                                                strict=True):
+                            source.weight = nn.Parameter(part.clone(), requires_grad=False)
+                handle.remove()
+
+            handle = model.register_forward_pre_hook(remake, with_kwargs=True)
+        return len(let)
+
+    def weights_read(self) -> str:
+        """What a one-token step reads of the weights, by the paths it takes: e.g. "the GGUF's blocks (Q4_1, Q8_0),
+        97 MB a step" or "float32, 538 MB a step"."""
+        nbytes, kinds = 0, set()
+        for lin in self.linears():
+            name, packed = lin.path(1)
+            fmt = kernels.PATHS[name].blocks
+            nbytes += packed.numel() * packed.element_size() if fmt else lin.weight.numel() * lin.weight.element_size()
+            kinds.add(fmt.upper() if fmt else str(lin.weight.dtype).removeprefix("torch."))
+        blocks = sorted(k for k in kinds if k.startswith("Q"))
+        parts = ([f"the GGUF's blocks ({', '.join(blocks)})"] if blocks else []) + sorted(kinds - set(blocks))
+        return f"{' and '.join(parts)}, {nbytes / 1e6:.0f} MB a step"
 
     def backend(self, capacity: int, compile: bool = False) -> LeanCache:
         return LeanCache(self, capacity, compile and self.compiler() is not None)

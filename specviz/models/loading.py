@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from . import contention, kernels
+from . import contention, kernels, native
 from .cachedir import cache_root, locked
 from .eagle import EagleHead, check_head_folder
 from .leanllama import LeanLlama
@@ -197,11 +197,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tuple[int, int] | None = None,
-                  progress: Progress = _quiet, rows: tuple[int, ...] = (1, 3), hf_config=None
-                  ) -> tuple[torch.dtype, str]:
+                  progress: Progress = _quiet, rows: tuple[int, ...] = (1, 3), hf_config=None,
+                  products: tuple[tuple[int, int, int, str], ...] = ()) -> tuple[torch.dtype, str]:
     """(dtype, why). auto: on a CPU, whichever of bfloat16 and float32 runs the model's largest
     matrix (head_shape, out x in) faster here at these row counts (a step and a verify pass; a batch's
-    rows for batched generation), measured once (kernels.compare_dtypes); for a model that runs
+    rows for batched generation), measured once (kernels.compare_dtypes), or, for a model made of a file's
+    blocks, all its `products` (gguf_products); for a model that runs
     transformers' forward, not specviz's lean one (hf_config, its config), that forward (compare_forwards);
     bfloat16 on a GPU that computes it natively, else float16; float16 on mps."""
     if isinstance(dtype, torch.dtype):
@@ -232,7 +233,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, head_shape: tu
         return chosen, "auto: " + why
     if head_shape is None:
         return torch.float32, "auto: float32 (no model shape to measure with)"
-    chosen, why = kernels.compare_dtypes(*head_shape, rows=rows, progress=progress)
+    chosen, why = kernels.compare_dtypes(*head_shape, rows=rows, progress=progress,
+                                         **({"products": products} if products else {}))
     return chosen, "auto: " + why
 
 
@@ -311,6 +313,12 @@ def _build_once(out: Path, build: Callable[[Path], None], progress: Progress) ->
             shutil.rmtree(tmp, ignore_errors=True)
     progress(f"saved {out}")
     return out
+
+
+def gguf_file(target: str) -> Path | None:
+    """The GGUF file a target is made from (the offline target's, where its wheel is installed), else None."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE) if target == OFFLINE_TARGET else None
+    return Path(spec.submodule_search_locations[0]) / GGUF_FILE if spec and spec.submodule_search_locations else None
 
 
 def offline_target_dir(progress: Progress = _quiet) -> Path:
@@ -477,6 +485,7 @@ class ModelPair:
     head: EagleHead | None = None  # a feature-level draft head bound to the target (drafter "eagle")
     head_name: str = ""
     dtype_reason: str = ""  # why this dtype: asked for, or what `auto` measured
+    weights: str = ""  # what a step reads of the target's weights (LeanLlama.weights_read), "" where not lean
 
 
 def eos_ids_of(model: PreTrainedModel, tokenizer) -> set[int]:
@@ -542,6 +551,7 @@ def load_pair(
         dtype_reason=dtype_why,
     )
     prepare_kernels(pair, progress, retune)
+    keep_blocks(pair, progress)
     return pair
 
 
@@ -557,7 +567,29 @@ def choose_dtype(ref: str, dtype: str | torch.dtype, device: torch.device, progr
     except (OSError, ValueError, AttributeError, TypeError):
         return resolve_dtype(dtype, device, None, progress, rows)
     hf = None if LeanLlama.supports_config(cfg) else cfg
-    return resolve_dtype(dtype, device, shape if dtype == "auto" else None, progress, rows, hf)
+    products = gguf_products(ref, cfg) if dtype == "auto" and hf is None else ()
+    return resolve_dtype(dtype, device, shape if dtype == "auto" else None, progress, rows, hf, products)
+
+
+GGUF_BLOCKS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # the file's tensor types specviz's kernels read as blocks
+
+
+def gguf_products(ref: str, cfg) -> tuple[tuple[int, int, int, str], ...]:
+    """A GGUF target's products as the lean forward runs them (out, in, how many, the file's blocks format or
+    ""), read from its file's tensor types before it loads; () for other models."""
+    path = gguf_file(ref)
+    if path is None:
+        return ()
+    from gguf import GGUFReader
+
+    kinds = {t.name: GGUF_BLOCKS.get(t.tensor_type.name, "") for t in GGUFReader(path).tensors}
+    c, n = int(cfg.hidden_size), int(cfg.num_hidden_layers)
+    d = getattr(cfg, "head_dim", None) or c // cfg.num_attention_heads
+    q, kv, i = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, int(cfg.intermediate_size)
+    head = kinds.get("output.weight", kinds.get("token_embd.weight", ""))
+    layer = {name: kinds.get(f"blk.0.{name}.weight", "") for name in ("attn_q", "attn_output", "ffn_gate", "ffn_down")}
+    return ((q + 2 * kv, c, n, layer["attn_q"]), (c, q, n, layer["attn_output"]), (2 * i, c, n, layer["ffn_gate"]),
+            (c, i, n, layer["ffn_down"]), (int(cfg.vocab_size), c, 1, head))
 
 
 def lean_linears(pair: ModelPair) -> list:
@@ -575,6 +607,20 @@ def prepare_kernels(pair: ModelPair, progress: Progress = _quiet, retune: bool =
     """On a CPU: measure the kernels for every shape this machine's table lacks (all, with retune)."""
     if pair.device.type == "cpu":
         kernels.tune([lin.weight for lin in lean_linears(pair)], progress, retune)
+
+
+def keep_blocks(pair: ModelPair, progress: Progress = _quiet) -> None:
+    """On a CPU: where the target's products read its file's blocks at every row count, keep only those
+    (LeanLlama.keep_blocks), and say what a step reads of its weights (pair.weights)."""
+    if pair.device.type != "cpu" or not LeanLlama.supports(pair.target):
+        return
+    lean = LeanLlama.of(pair.target)
+    if lean.keep_blocks(pair.target):
+        progress("the target's layers are kept as its file's blocks")
+        if pair.head is not None:  # it holds the embedding it was bound to, which keep_blocks copied
+            pair.head.bind(pair.target, pair.vocab_size)
+        native.trim_heap()
+    pair.weights = lean.weights_read()
 
 
 def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:

@@ -597,6 +597,41 @@ def pack_blocks(weight: torch.Tensor, fmt: str, avx512: bool = False) -> torch.T
     return torch.cat([*scales, ints], -1).reshape(-1).contiguous()
 
 
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim), after large tensors were let go;
+    nothing where the C library has no such call."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def unpack_blocks(packed: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
+    """pack_blocks' weight [N, K] made again from its blocks: (d * q) + m (Q8_0: d * q) in float32, the values it
+    was packed from, bit for bit (each one rounding of an exact product), for a caller that needs the float32
+    weight after it was let go (LeanLlama.keep_blocks)."""
+    blocks, groups = -(-n // BLOCK), k // GROUP
+    scales = 2 if fmt == "q4_1" else 1  # d (and m): 16 float16 each, then the integers
+    flat = packed.view(blocks, groups, -1)  # [B, G, bytes of a group]
+
+    def scale(i: int) -> torch.Tensor:  # the i-th scale of each column and group, [B, 16, G, 1]
+        half = flat[..., 2 * BLOCK * i:2 * BLOCK * (i + 1)].contiguous().view(torch.float16)  # [B, G, 16]
+        return half.float().transpose(1, 2)[..., None]
+
+    d, m = scale(0), scale(1) if scales == 2 else None
+    ints = flat[..., scales * 2 * BLOCK:]
+    if fmt == "q4_1":
+        pairs = ints.view(blocks, groups, GROUP // 2, BLOCK)  # [B, G, 16 pairs, 16 columns]
+        q = torch.stack([pairs & 15, pairs >> 4], -1).permute(0, 3, 1, 2, 4)  # [B, 16 columns, G, 16 pairs, 2]
+        w = d * q.reshape(blocks, BLOCK, groups, GROUP).float() + m
+    elif fmt == "q8_0":
+        q = ints.view(torch.int8).view(blocks, groups, GROUP, BLOCK).permute(0, 3, 1, 2)  # [B, 16, G, 32]
+        w = d * q.float()
+    else:
+        raise ValueError(f"no kernel for blocks {fmt!r}")
+    return w.reshape(blocks * BLOCK, k)[:n].contiguous()
+
+
 def bind_blocks(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
                 avx512: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """The product x [..., K] @ weight.T + bias -> [..., N] in float32 through the packed blocks."""

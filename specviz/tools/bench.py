@@ -170,6 +170,12 @@ class BenchRow:
     # host-device syncs per round (syncs.py), counted in one eager run of the setting's first prompt
     syncs_per_round: float | None = None
     baseline_syncs_per_round: float | None = None
+    # llama.cpp on the same GGUF file (peer.py), greedy, timed in the same blocks: plain, and prompt lookup at γ
+    llama_plain_tps: float | None = None
+    specviz_over_llama: float | None = None  # median of specviz / llama.cpp plain within each repeat
+    baseline_over_llama: float | None = None  # the same for specviz's plain decoding
+    llama_lookup_tps: float | None = None
+    identical_to_llama: bool | None = None  # specviz's text = llama.cpp plain's
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -221,7 +227,9 @@ def _hf_counterpart(pair: ModelPair, prompt_ids: list[int], settings: Settings) 
 
 
 def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], bases: list[Run],
-              hf_plain: list[tuple[float, list[int]]], hf: list[tuple[float, list[int]]]) -> BenchRow:
+              hf_plain: list[tuple[float, list[int]]], hf: list[tuple[float, list[int]]],
+              llama: list[tuple[float, list[int]]] = (), llama_lookup: list[tuple[float, list[int]]] = ()
+              ) -> BenchRow:
     """One setting against the baseline; repeat i of each list was timed in the same block."""
     from ..core.theory import cost_ratio, speedup_bound
 
@@ -253,6 +261,13 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
         else:
             row.hf_assisted_tps = hf_tps
         row.specviz_over_hf = median(s.tokens_per_s / h for s, (h, _) in zip(specs, hf, strict=True))
+    if llama:
+        row.llama_plain_tps = median(t for t, _ in llama)
+        row.specviz_over_llama = median(s.tokens_per_s / t for s, (t, _) in zip(specs, llama, strict=True))
+        row.baseline_over_llama = median(b.tokens_per_s / t for b, (t, _) in zip(bases, llama, strict=True))
+        row.identical_to_llama = llama[0][1] == spec.token_ids
+    if llama_lookup:
+        row.llama_lookup_tps = median(t for t, _ in llama_lookup)
     if settings.gamma_policy != "fixed":
         row.mean_gamma = spec.mean_gamma
     if settings.sampling.greedy:
@@ -268,7 +283,7 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                policies: tuple[str, ...] = ("grow-shrink", "expected"), cache: str = "static",
                compile: bool = False, eagle_gammas: list[int] | None = None, seeds: int = 1,
                trees: list[tuple[int, int, int]] = (), record_top: int = 0,
-               kept: Callable[[list[BenchRow], int], None] | None = None) -> list[BenchRow]:
+               kept: Callable[[list[BenchRow], int], None] | None = None, peer=None) -> list[BenchRow]:
     """Per prompt and temperature, `repeats` blocks, each timing back to back: HF plain `generate`,
     specviz's baseline, then every setting (each drafter over its γ sweep with HF's assisted
     generation or prompt lookup at the same γ, then each adaptive policy with its defaults).
@@ -278,7 +293,8 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
     samples says more about those texts than about the drafters. Each head drafter also runs every
     tree shape (γ, branch, nodes) in `trees`. record_top: the candidates specviz's runs (speculative and
     baseline) record per position, as the app's do; 0 times the decode alone. kept(rows, prompts done) is called
-    after each prompt's rows, so a caller can keep them before a run is stopped."""
+    after each prompt's rows, so a caller can keep them before a run is stopped. peer: a peer.LlamaPeer on the
+    target's GGUF file, timed in each greedy block too (plain, and prompt lookup beside specviz's at each γ)."""
     from ..core.generator import generate
     from ..models.loading import encode_prompt
     from .syncs import SyncCounter
@@ -304,6 +320,10 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                                            record_top=record_top, drafter=drafter, cache=cache, compile=compile))
     generate(pair, first, Settings(max_new_tokens=8, record_top=record_top, cache=cache, compile=compile),
              mode="baseline")
+    if peer is not None:
+        first_ids = encode_prompt(pair.tokenizer, first)
+        for lookup in (0, *(sweep["lookup"] if "lookup" in drafters else ())):
+            peer.decode(first_ids, 8, pair.eos_token_ids, lookup)
     rows, done = [], 0
     for category, texts in prompts.items():
         for prompt in texts:
@@ -316,20 +336,27 @@ def bench_pair(pair: ModelPair, prompts: dict[str, list[str]], gammas: list[int]
                                   for d in drafters if d in HEAD_DRAFTERS for g, k, n in trees]
                 settings_list += [replace(base_settings, gamma=Settings.gamma, gamma_policy=p, drafter=d)
                                   for d in drafters for p in policies]
-                bases, hf_plain = [], []
+                bases, hf_plain, llama = [], [], []
                 specs: list[list[Run]] = [[] for _ in settings_list]
                 hfs: list[list] = [[] for _ in settings_list]
+                lookups: list[list] = [[] for _ in settings_list]
+                greedy = peer is not None and base_settings.sampling.greedy
                 for _ in range(repeats):
                     if with_hf:
                         hf_plain.append(_hf_generate(pair, prompt_ids, base_settings))
+                    if greedy:
+                        llama.append(peer.decode(prompt_ids, max_new_tokens, pair.eos_token_ids))
                     bases.append(generate(pair, prompt, base_settings, mode="baseline", prompt_ids=prompt_ids))
                     for i, settings in enumerate(settings_list):
                         specs[i].append(generate(pair, prompt, settings, prompt_ids=prompt_ids))
                         hf = _hf_counterpart(pair, prompt_ids, settings) if with_hf else None
                         if hf is not None:
                             hfs[i].append(hf)
-                for settings, spec_runs, hf in zip(settings_list, specs, hfs, strict=True):
-                    rows.append(_spec_row(category, prompt, settings, spec_runs, bases, hf_plain, hf))
+                        if greedy and settings.drafter == "lookup" and settings.gamma_policy == "fixed":
+                            lookups[i].append(peer.decode(prompt_ids, max_new_tokens, pair.eos_token_ids,
+                                                          settings.gamma))
+                for settings, spec_runs, hf, lookup in zip(settings_list, specs, hfs, lookups, strict=True):
+                    rows.append(_spec_row(category, prompt, settings, spec_runs, bases, hf_plain, hf, llama, lookup))
                     rows[-1].syncs_per_round = syncs_per_round(prompt, prompt_ids, settings)
                     rows[-1].baseline_syncs_per_round = syncs_per_round(prompt, prompt_ids, base_settings, "baseline")
                     label = settings.gamma if settings.gamma_policy == "fixed" else settings.gamma_policy
@@ -580,6 +607,8 @@ def environment(pair: ModelPair, others: float | None = None) -> dict:
            "cpu": platform.processor() or platform.machine(), "target": pair.target_name, "draft": pair.draft_name}
     if pair.head is not None:
         env["head"] = pair.head_name
+    if pair.weights:
+        env["weights"] = pair.weights
     if pair.device.type == "cpu":
         env["cpu"], env["class"] = kernels.describe_machine(), kernels.cpu_class()
         chosen = kernels.summary(pair.dtype)

@@ -242,7 +242,7 @@ def _pair_line(pair, settings: Settings) -> str:
 
     return (f"target {pair.target_name} <- draft {drafter_name(pair, settings.drafter)} ({pair.dtype}, {pair.device})"
             f"\nmachine: {machine_name(pair.device)}; dtype {str(pair.dtype).removeprefix('torch.')}: "
-            f"{pair.dtype_reason}")
+            f"{pair.dtype_reason}" + (f"\nweights: {pair.weights}" if pair.weights else ""))
 
 
 def warming(prompt_ids: list[int], settings: Settings) -> list[int]:
@@ -386,6 +386,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     import torch
 
     from ..models import kernels
+    from ..models.loading import lean_linears
     from .bench import step_table, step_times
 
     _at_least("--repeats", args.repeats, 1)
@@ -400,9 +401,13 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     read_ms = 1000 * (time.perf_counter() - started)
     print(f"machine: {kernels.describe_machine(table.machine)}")
     print(f"dtype: {str(pair.dtype).removeprefix('torch.')} ({pair.dtype_reason})")
-    weights = [p for p in pair.target.parameters()]
+    # what its products read: the blocks where a product keeps only those, else the parameters (stand-ins left out)
+    weights = [p for p in pair.target.parameters() if p.untyped_storage().nbytes() >= p.numel() * p.element_size()]
+    weights += [b for lin in lean_linears(pair) if lin.released and (b := lin.blocks()) is not None]
     print(f"bandwidth: {kernels.bandwidth_gbs(weights):.1f} GB/s (one read of the target's "
           f"{sum(p.numel() * p.element_size() for p in weights) / 1e6:.0f} MB of weights)")
+    if pair.weights:
+        print(f"weights: {pair.weights}")
     for name, why in table.skipped.items():
         print(f"skipped path {name}: {why}")
     print(f"table: {table.file} (read in {read_ms:.1f} ms; this start took {loaded:.1f} s, loading and "
@@ -586,6 +591,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="candidates each timed run records per position for the inspector, as the app and generate "
                         "do (8 there): what the page's own reading pays (default 0: the decode alone)")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation and prompt lookup")
+    b.add_argument("--peer", choices=("auto", "off"), default="auto", help="auto: time llama.cpp on the target's "
+                   "GGUF file beside specviz (plain, and its prompt lookup), where llama-cpp-python is installed")
     b.add_argument("--quick", action="store_true",
                    help="smoke test: 2 prompts, γ 3, greedy, 16 tokens, 1 repeat, 'expected' policy, batch of 2")
     b.add_argument("--cache", choices=list(CACHE_KINDS), default="static", help="KV cache kind of the runs")
@@ -629,6 +636,12 @@ def _first_run_choice(pair, preset: str):
         taus = {d: t for d, t in taus.items() if d not in HEAD_DRAFTERS}
     choice, _ = machine_costs.first_run(pair, taus, lambda m: print(m, file=sys.stderr, flush=True))
     return choice
+
+
+def _llama_version() -> str:
+    from importlib.metadata import version
+
+    return f"llama-cpp-python {version('llama-cpp-python')}"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -703,12 +716,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
            "record_top": args.record_top, "cache": args.cache, "compiled": args.compile}
 
     def env(busy: float | None) -> dict:
-        out = environment(pair, busy)
+        out = environment(pair, busy) | {"peer": peer_note}
         if choice is not None:
             out["first_run_choice"] = {"drafter": choice.drafter, "gamma": choice.gamma, "expected": choice.expected,
                                        "tree": tree_label(*choice.shape) if choice.branch > 1 else ""}
         return out
 
+    peer, peer_note = None, "off"
+    if args.peer == "auto" and not args.quick:
+        import torch
+
+        from ..models.loading import gguf_file
+        from .peer import LlamaPeer, missing
+
+        gguf = gguf_file(pair.target_name)
+        peer_note = missing() if gguf else "llama.cpp decodes GGUF files: this target is none (the offline one is)"
+        if peer_note:
+            print(f"no llama.cpp row: {peer_note}", file=sys.stderr)
+        else:
+            peer, peer_note = LlamaPeer(str(gguf), torch.get_num_threads()), _llama_version()
     taken = others_meter()  # what other processes take of the CPU time the run needs, in its record
     steps = []
     if step_caches:
@@ -732,11 +758,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           progress=lambda m: print(m, file=sys.stderr, flush=True), drafters=tuple(drafters),
                           lookup_gammas=lookup_gammas, policies=tuple(policies), cache=args.cache,
                           compile=args.compile, eagle_gammas=eagle_gammas, seeds=args.seeds, trees=trees,
-                          record_top=args.record_top, kept=keep)
+                          record_top=args.record_top, kept=keep, peer=peer)
     except KeyboardInterrupt:
         if prompts_kept:
             print(f"the rows of the {prompts_kept} of {n_prompts} prompts done are in {args.out}", file=sys.stderr)
         raise
+    finally:
+        if peer is not None:
+            peer.close()
     write_results(rows, env(taken()), args.out, command, steps=steps, run=run)  # kept if the batch part fails
     batch_rows = []
     if batch > 1:  # one prompt of each category in turn, then the next of each, ...

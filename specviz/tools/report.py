@@ -86,6 +86,9 @@ def rows_of(results: dict) -> list[dict]:
     def best(r: dict) -> float:
         return max(r["baseline_tps"], r["hf_plain_tps"] or 0.0)
 
+    def over_llama(sel: list[dict], key: str) -> float | None:  # tokens/s against llama.cpp plain's, greedy
+        return _median(r[key] / r["llama_plain_tps"] for r in sel if r.get("llama_plain_tps") and r[key])
+
     out = []
     for name, key in (("Hugging Face plain `generate`", "hf_plain_tps"), ("specviz plain", "baseline_tps")):
         firsts = [r for r in per_prompt(greedy) if r[key]]
@@ -93,7 +96,21 @@ def rows_of(results: dict) -> list[dict]:
         if firsts:
             out.append({"name": name, "kind": "hf" if key.startswith("hf") else "plain",
                         "tps": _median(r[key] for r in firsts), "vs": _median(r[key] / best(r) for r in firsts),
-                        "tau": None, "hot": _median(r[key] / best(r) for r in hot_firsts), "same": ""})
+                        "tau": None, "hot": _median(r[key] / best(r) for r in hot_firsts), "same": "",
+                        "llama": _median(r.get("baseline_over_llama") for r in firsts) if key == "baseline_tps"
+                        else over_llama(firsts, key)})
+    llama = [r for r in per_prompt(greedy) if r.get("llama_plain_tps")]
+    if llama:
+        out.append({"name": "llama.cpp plain, the same GGUF file", "kind": "peer",
+                    "tps": _median(r["llama_plain_tps"] for r in llama),
+                    "vs": _median(r["llama_plain_tps"] / best(r) for r in llama), "tau": None, "hot": None,
+                    "same": "", "llama": 1.0})
+    for gamma in sorted({r["gamma"] for r in greedy if r.get("llama_lookup_tps")}):
+        sel = [r for r in greedy if r["gamma"] == gamma and r.get("llama_lookup_tps")]
+        out.append({"name": f"llama.cpp prompt lookup, γ = {gamma}", "kind": "peer",
+                    "tps": _median(r["llama_lookup_tps"] for r in sel),
+                    "vs": _median(r["llama_lookup_tps"] / best(r) for r in sel), "tau": None, "hot": None,
+                    "same": "", "llama": over_llama(sel, "llama_lookup_tps")})
     for name, drafter, key in (("Hugging Face assisted (draft model)", "model", "hf_assisted_tps"),
                                ("Hugging Face prompt lookup", "lookup", "hf_lookup_tps")):
         for gamma in sorted({r["gamma"] for r in rows if r["drafter"] == drafter and r[key]}):
@@ -102,7 +119,8 @@ def rows_of(results: dict) -> list[dict]:
                         (drafter, gamma, "fixed", "") and r[key]]
             out.append({"name": f"{name}, γ = {gamma}", "kind": "hf", "tps": _median(r[key] for r in sel(greedy)),
                         "vs": _median(r[key] / best(r) for r in sel(greedy)), "tau": None,
-                        "hot": _median(r[key] / best(r) for r in sel(hot)), "same": ""})
+                        "hot": _median(r[key] / best(r) for r in sel(hot)), "same": "",
+                        "llama": over_llama(sel(greedy), key)})
     choice = _choice_label(results["environment"].get("first_run_choice"))
     spec = []
     for label in dict.fromkeys(_label(r) for r in rows):
@@ -114,17 +132,22 @@ def rows_of(results: dict) -> list[dict]:
                      "vs": _median(r["speedup_vs_best"] or r["speedup"] for r in g),
                      "tau": sum(r["tokens_per_round"] for r in g) / len(g) if g else None,
                      "hot": _median(r["speedup_vs_best"] or r["speedup"] for r in h),
-                     "same": f"{sum(same)} of {len(same)}" if same else ""})
+                     "same": f"{sum(same)} of {len(same)}" if same else "",
+                     "llama": _median(r.get("specviz_over_llama") for r in g)})
     return out + sorted(spec, key=lambda s: -(s["vs"] if s["vs"] is not None else s["hot"] or 0.0))
 
 
 def _table(rows: list[dict]) -> str:
+    """The decoders' table; with a column against llama.cpp plain where the run timed it."""
+    peer = any(r.get("llama") is not None for r in rows)
     lines = ["| decoder | tokens/s, greedy | vs the faster plain decoder, greedy | tokens a round | "
-             "vs the faster plain decoder, T = 1 | greedy text = plain |", "|---|---|---|---|---|---|"]
+             "vs the faster plain decoder, T = 1 | greedy text = plain |" + (" vs llama.cpp plain, greedy |" * peer),
+             "|---|---|---|---|---|---|" + "---|" * peer]
     for r in rows:
         name = r["name"] + (" (**this machine's first-run choice**)" if r.get("choice") else "")
         tau = "–" if r["tau"] is None else f"{r['tau']:.2f}"
-        lines.append(f"| {name} | {_tps(r['tps'])} | {_x(r['vs'])} | {tau} | {_x(r['hot'])} | {r['same'] or '–'} |")
+        lines.append(f"| {name} | {_tps(r['tps'])} | {_x(r['vs'])} | {tau} | {_x(r['hot'])} | {r['same'] or '–'} |"
+                     + (f" {_x(r.get('llama'))} |" if peer else ""))
     return "\n".join(lines)
 
 
@@ -150,10 +173,14 @@ def _about(results: dict) -> str:
     prompts = len({r["prompt"] for r in rows})
     seeds = run.get("seeds", 1)
     head = f"; EAGLE head {env['head']}" if env.get("head") else ""
-    return (f"Machine: {env.get('cpu', env.get('device'))}; {env.get('dtype')}; target {env.get('target')}, "
+    weights = f" (the target reads {env['weights']})" if env.get("weights") else ""
+    peer = env.get("peer", "")
+    peer = (f" llama.cpp: {peer}, {env.get('threads', '?')} threads, in its own process."
+            if peer.startswith("llama-cpp") else f" No llama.cpp row: {peer}." if peer and peer != "off" else "")
+    return (f"Machine: {env.get('cpu', env.get('device'))}; {env.get('dtype')}{weights}; target {env.get('target')}, "
             f"draft {env.get('draft')}{head}. {prompts} prompts, {run.get('max_new_tokens', '?')} new tokens each, "
             f"{run.get('repeats', '?')} timed blocks per prompt" + (f", {seeds} seeds at T = 1" if seeds > 1 else "")
-            + ".")
+            + "." + peer)
 
 
 def _steps(results: dict) -> str:
@@ -212,7 +239,8 @@ def readme_tables(files: dict[str, dict]) -> str:
     for name in sorted(files, key=_order):
         rows = rows_of(files[name])
         env = files[name]["environment"]
-        keep = [r for r in rows if r["kind"] == "plain" or r["name"].startswith("Hugging Face plain")]
+        keep = [r for r in rows
+                if r["kind"] == "plain" or r["name"].startswith(("Hugging Face plain", "llama.cpp plain"))]
         spec = [r for r in rows if r["kind"] == "specviz"]
         keep += [r for r in spec if r.get("choice")] + ([spec[0]] if spec and not spec[0].get("choice") else [])
         parts += ["", f"**{_title(name)}**: {env.get('cpu', env.get('device'))}, {env.get('dtype')}", "",

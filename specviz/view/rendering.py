@@ -236,6 +236,8 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
     if spec.meta.machine:
         rows.append(("machine", spec.meta.machine))
     rows.append(("dtype", spec.meta.dtype + (f" ({spec.meta.dtype_reason})" if spec.meta.dtype_reason else "")))
+    if spec.meta.weights:
+        rows.append(("target's weights read", spec.meta.weights))
     c = cost_ratio(spec, baseline)
     if c is not None:
         rows.append(("c (draft step / target step)", f"{c:.3f}"))
