@@ -687,6 +687,14 @@ def test_our_kernel_is_skipped_without_a_compiler_and_built_once(fresh_tables, m
     native.library.cache_clear()
     monkeypatch.setattr(native, "_compiler", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler found")))
     assert "no C compiler found" in kernels.unavailable(torch.float32)["avx2"]
+    assert "no C compiler found" in kernels.unavailable(torch.float32)["q4"]  # the blocks' kernels too: float32
+    from specviz.models.leanllama import Linear
+
+    weight = native.as_q4_1(torch.randn(32, 64))  # a GGUF layer's weight: a library's path takes it
+    kernels.tune([weight])
+    lin, x = Linear(weight, None), torch.randn(2, 64)
+    assert not kernels.PATHS[lin.path(2)[0]].bits and not lin.keep_blocks()
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, weight))
     monkeypatch.setattr(native, "_compiler", compiler)
     native.library.cache_clear()
     said = []

@@ -622,15 +622,15 @@ def blocks_path(weight: torch.Tensor, rows: int, in_call: bool, chosen: str, ref
     where `chosen` (the fastest) reads floats and the blocks path is within BLOCKS_MARGIN of it, else `chosen`.
     Where every call reads the blocks the float32 weight need not be kept (Linear.keep_blocks): a few per cent
     on one row count is not worth five times the weight's bytes in memory."""
-    if PATHS[chosen].blocks:
+    t, key = table(weight.dtype), shape_key(weight)
+    by_rows = t.times.get(key, {})
+    if PATHS[chosen].blocks or not by_rows:
         return chosen
-    t = table(weight.dtype)
-    key = shape_key(weight)
-    ms = t.times.get(key, {}).get(str(timed_rows(rows, sorted(int(r) for r in t.times.get(key, {"1": 0})))), {})
-    others = frozenset(p for p in PATHS if not PATHS[p].blocks) | refused
-    alt = t.best(key, rows, in_call=weight.dtype if in_call else None, refused=others)
-    return alt if PATHS[alt].blocks and alt in ms and chosen in ms and ms[alt] <= BLOCKS_MARGIN * ms[chosen] \
-        else chosen
+    ms = by_rows[str(timed_rows(rows, sorted(int(r) for r in by_rows)))]
+    floats = frozenset(p for p in PATHS if not PATHS[p].blocks)
+    alt = t.best(key, rows, in_call=weight.dtype if in_call else None, refused=floats | refused)
+    fits = PATHS[alt].blocks and alt in ms and chosen in ms and ms[alt] <= BLOCKS_MARGIN * ms[chosen]
+    return alt if fits else chosen
 
 
 def row_class(rows: int) -> tuple[int, bool]:
