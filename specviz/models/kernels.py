@@ -656,19 +656,26 @@ def compare_dtypes(out_features: int, in_features: int, rows: tuple[int, ...] = 
     pass, or a batch's), measured here; else float32. Timed on the model's largest matrix (the output head, out x
     in), or, for a model made of a file's blocks, on all its products (out, in, how many, blocks format or ""):
     in float32 they may read the blocks (a weight of that format is timed), which bfloat16 cannot."""
+    products = products or ((out_features, in_features, 1, ""),)
     ms = dict.fromkeys((torch.float32, torch.bfloat16), 0.0)
     for dtype in ms:
         t = table(dtype)
-        for out, inp, count, fmt in products or ((out_features, in_features, 1, ""),):
-            key, blocks = f"{out}x{inp}", fmt if dtype == torch.float32 else ""
-            timed = t.times.get(key, {}).get("1", {})
+        untimed, unblocked = [], []  # shapes not timed; shapes timed on weights of no blocks (timed again)
+        for out, inp, _, fmt in products:
+            blocks = fmt if dtype == torch.float32 else ""
+            timed = t.times.get(f"{out}x{inp}", {}).get("1", {})
             if not timed or (blocks and not any(PATHS[p].blocks == blocks for p in timed if p in PATHS)):
                 weight = torch.randn(out, inp) / inp ** 0.5
                 sample = next((p.sample for p in PATHS.values() if blocks and p.blocks == blocks), None)
-                tune([(sample(weight) if sample else weight).to(dtype)], progress, retune=bool(timed))
+                (unblocked if timed else untimed).append((sample(weight) if sample else weight).to(dtype))
+        for weights, retune in ((untimed, False), (unblocked, True)):
+            if weights:
+                tune(weights, progress, retune)
+        for out, inp, count, _ in products:
+            key = f"{out}x{inp}"
             ms[dtype] += count * sum(t.times[key][str(r)][t.best(key, r)] for r in rows)  # rows are among ROWS
-    what = (f"the model's {sum(c for *_, c, _ in products)} products (float32 reading its file's blocks)" if products
-            else f"the output head ({out_features}x{in_features})")
+    what = (f"the model's {sum(c for *_, c, _ in products)} products (float32 reading its file's blocks)"
+            if len(products) > 1 else f"the output head ({out_features}x{in_features})")
     return faster_dtype(f"{what} at {'+'.join(map(str, rows))} rows", ms[torch.float32], ms[torch.bfloat16])
 
 
