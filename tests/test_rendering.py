@@ -62,6 +62,14 @@ def test_rounds_prompt_lookup_drafted_are_named_in_hover_and_stats():
     assert "pattern" not in charts.tokens_per_round(make_run())["data"][0]["marker"]
 
 
+def test_the_stats_say_what_a_step_read_of_the_targets_weights_where_known():
+    run = make_run()
+    assert "weights read" not in stats_html(run)
+    run.meta.weights = "the GGUF's blocks (Q4_1, Q8_0), 96 MB a step"
+    assert "<td>target&#x27;s weights read</td><td><b>the GGUF&#x27;s blocks (Q4_1, Q8_0), 96 MB a step</b>" in \
+        stats_html(run)
+
+
 def test_summaries():
     run = make_run()
     assert (run.n_accepted, run.n_rejected, run.n_tokens, run.token_ids) == (3, 1, 5, [5, 7, 8, 9, 4])

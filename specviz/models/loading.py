@@ -580,9 +580,12 @@ def gguf_products(ref: str, cfg) -> tuple[tuple[int, int, int, str], ...]:
     path = gguf_file(ref)
     if path is None:
         return ()
-    from gguf import GGUFReader
+    try:
+        from gguf import GGUFReader
 
-    kinds = {t.name: GGUF_BLOCKS.get(t.tensor_type.name, "") for t in GGUFReader(path).tensors}
+        kinds = {t.name: GGUF_BLOCKS.get(t.tensor_type.name, "") for t in GGUFReader(path).tensors}
+    except (ImportError, OSError, ValueError):  # the head alone is timed, as for any model
+        return ()
     c, n = int(cfg.hidden_size), int(cfg.num_hidden_layers)
     d = getattr(cfg, "head_dim", None) or c // cfg.num_attention_heads
     q, kv, i = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, int(cfg.intermediate_size)
