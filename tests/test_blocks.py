@@ -174,6 +174,7 @@ def test_a_model_of_blocks_lets_its_layers_float32_go_and_transformers_forward_g
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().nbytes() <= 4 and lean.layers[1].down.released == "q4_1"
     assert torch.equal(lean.layers[0].qkv(x), before)
+    assert not model.get_input_embeddings().weight.is_inference()  # copied as loaded: gradients may flow past it
     assert "Q4_1" in lean.weights_read() and "MB a step" in lean.weights_read()
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, logits)

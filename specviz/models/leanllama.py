@@ -537,9 +537,10 @@ class LeanLlama(nn.Module):
             # The rest (embedding, norms) may be views of the loaded file's memory map, which holds every page of
             # it read while they live: copies of their own let the map, and the weights let go, leave memory.
             standins = {id(source.weight) for _, sources in let for source in sources}
-            for tensor in (*model.parameters(), *model.buffers()):
-                if id(tensor) not in standins:
-                    tensor.data = tensor.data.clone()
+            with torch.inference_mode(False), torch.no_grad():  # tensors as loaded, usable where gradients flow
+                for tensor in (*model.parameters(), *model.buffers()):
+                    if id(tensor) not in standins:
+                        tensor.data = tensor.data.clone()
             self.head.weight.data = model.get_output_embeddings().weight.data
 
             def remake(module, args, kwargs):
