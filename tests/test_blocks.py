@@ -190,3 +190,40 @@ def test_auto_weighs_the_blocks_a_models_file_has(fresh_tables):
     assert kernels.compare_dtypes(50, 64)[0] == torch.bfloat16
     dtype, why = kernels.compare_dtypes(50, 64, products=((64, 64, 10, "q4_1"), (50, 64, 1, "")))
     assert dtype == torch.float32 and "11 products" in why
+
+
+def test_a_measured_machine_lets_each_layer_go_as_the_lean_forward_is_built(fresh_tables, blocks_llama):
+    """With the table measured (any start after the first), the float32 copies go layer by layer as they are
+    built, not after all are: the same products, the same logits from transformers' forward afterwards."""
+    from specviz.models.leanllama import LeanLlama
+
+    model = blocks_llama
+    for shape in ("128x64", "64x64", "256x64", "64x128"):
+        timed(shape, avx2=1.0, q4=0.5)
+    timed("50x64", avx2=1.0)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.inference_mode():
+        logits = model(ids).logits
+    q = model.model.layers[0].self_attn.q_proj.weight.clone()
+    lean = LeanLlama.of(model, keep_blocks=True)
+    assert len(lean.let) == 8 and model.model.layers[1].mlp.up_proj.weight.untyped_storage().nbytes() <= 4
+    x = torch.randn(2, 64)
+    assert torch.equal(lean.layers[0].qkv(x)[:, :64], native.bind(native.pack(q), q, None)(x))  # avx2's bits
+    assert lean.keep_blocks(model) == 8  # the rest of the model copied, the remaking hook set
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, logits)
+
+
+def test_the_pages_of_a_files_map_are_dropped_and_read_again_and_other_memory_is_left(tmp_path):
+    """drop_file_pages on a tensor viewing a file's map: the values read the same afterwards (from the file); on a
+    tensor of the process's own memory it does nothing (madvise would zero it)."""
+    w = torch.randn(1024, 1024)
+    (tmp_path / "w.bin").write_bytes(w.numpy().tobytes())
+    mapped = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=w.numel(), dtype=torch.float32)
+    mapped = mapped.view(1024, 1024)
+    assert torch.equal(mapped, w)
+    native.drop_file_pages(mapped)
+    assert torch.equal(mapped, w)
+    own = w.clone()
+    native.drop_file_pages(own)
+    assert torch.equal(own, w)

@@ -602,6 +602,12 @@ def _again(say: Progress, shape: str, share: float) -> None:
     say(f"  {contention.took(share)} while {shape} was timed; timing it again...")
 
 
+def measured(weight: torch.Tensor) -> bool:
+    """Whether the table has this weight's shape, timed with no heavy load (so `tune` will not time it again)."""
+    t, key = table(weight.dtype), shape_key(weight)
+    return key in t.times and t.busy.get(key, 0.0) <= contention.BUSY
+
+
 def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool = False,
            refused: frozenset[str] = frozenset()) -> str:
     """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be); a lossy

@@ -374,6 +374,11 @@ class LeanLayer(nn.Module):
         self.gate_up = _fused(mlp.gate_proj, mlp.up_proj)
         self.down = Linear(mlp.down_proj.weight, None)
 
+    def timed(self) -> bool:
+        """Whether the kernel table has every product's shape, measured with no other load (so choosing reads it)."""
+        return all(lin.weight.device.type == "cpu" and kernels.measured(lin.weight)
+                   for lin in (self.qkv, self.o, self.gate_up, self.down))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: int, packed: bool,
                 share: bool = True) -> torch.Tensor:
@@ -416,15 +421,17 @@ class LeanLlama(nn.Module):
                 and not getattr(cfg, "use_sliding_window", False) and not getattr(cfg, "mlp_bias", False))
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> LeanLlama:
-        """Built once per model (packing copies the weights): a model is not trained once loaded."""
+    def of(cls, model: PreTrainedModel, keep_blocks: bool = False) -> LeanLlama:
+        """Built once per model (packing copies the weights): a model is not trained once loaded. keep_blocks: as
+        each layer is built, let its float32 weights go where the kernel table (already measured) has it read the
+        file's blocks at every call (keep_blocks), so no more than one layer's copies are held at a time."""
         lean = model.__dict__.get("_specviz_lean")
         if lean is None:
-            lean = model.__dict__["_specviz_lean"] = cls(model)
+            lean = model.__dict__["_specviz_lean"] = cls(model, keep_blocks)
         return lean
 
     @torch.inference_mode()
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, keep_blocks: bool = False):
         super().__init__()
         cfg = model.config
         self.name = getattr(cfg, "_name_or_path", "") or cfg.model_type
@@ -435,8 +442,12 @@ class LeanLlama(nn.Module):
         self.rotary = model.model.rotary_emb
         self.norm = model.model.norm
         self.head = Linear(model.get_output_embeddings().weight, None)
-        self.layers = nn.ModuleList(LeanLayer(layer, self.heads, self.kv_heads, self.head_dim, self.eps)
-                                    for layer in model.model.layers)
+        self.let: list[tuple[Linear, tuple[nn.Module, ...]]] = []  # products whose float32 went, their sources
+        self.layers = nn.ModuleList()
+        for layer in model.model.layers:
+            self.layers.append(LeanLayer(layer, self.heads, self.kv_heads, self.head_dim, self.eps))
+            if keep_blocks and self.layers[-1].timed():
+                self._let_go(self.layers[-1], layer)
         self.eval()
         self.compiled = None  # the compiled forward, once asked for
         self.compile_note = ""  # why compiling was given up, if it was
@@ -444,6 +455,7 @@ class LeanLlama(nn.Module):
         self.graphs = self.head.weight.device.type == "cuda"  # compiled forwards replay as CUDA graphs
         self.spare: list[tuple] = []  # compiled caches' sets no one holds (`lend`)
         self.native_plans: dict[int, ctypes.Array | None] = {}  # rows -> native_weights' answer
+        self.remade = None  # the hook that makes transformers' weights again from the blocks (keep_blocks)
         self.shared_rows: dict[int, bool] = {}  # rows -> whether they are shared among threads (timed_ways)
 
     def native_weights(self, rows: int) -> ctypes.Array | None:
@@ -523,16 +535,10 @@ class LeanLlama(nn.Module):
         float32 weights go, the lean forward's and transformers' model's alike: a GGUF model then holds its
         layers as the file does. transformers' forward (HF `generate`, the dynamic caches, distilling) needs
         them: the first one makes them again from the blocks, the same values. Returns the products let go."""
-        let = []
         for lean, layer in zip(self.layers, model.model.layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            for lin, sources in ((lean.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (lean.o, (attn.o_proj,)),
-                                 (lean.gate_up, (mlp.gate_proj, mlp.up_proj)), (lean.down, (mlp.down_proj,))):
-                if lin.keep_blocks():
-                    for source in sources:
-                        source.weight = nn.Parameter(lin.weight[: source.out_features], requires_grad=False)
-                    let.append((lin, sources))
-        if let:
+            self._let_go(lean, layer)
+        let = self.let
+        if let and self.remade is None:
             self.native_plans = {}  # their addresses may have changed
             # The rest (embedding, norms) may be views of the loaded file's memory map, which holds every page of
             # it read while they live: copies of their own let the map, and the weights let go, leave memory.
@@ -540,7 +546,8 @@ class LeanLlama(nn.Module):
             with torch.inference_mode(False), torch.no_grad():  # tensors as loaded, usable where gradients flow
                 for tensor in (*model.parameters(), *model.buffers()):
                     if id(tensor) not in standins:
-                        tensor.data = tensor.data.clone()
+                        loaded, tensor.data = tensor.data, tensor.data.clone()
+                        native.drop_file_pages(loaded)
             self.head.weight.data = model.get_output_embeddings().weight.data
 
             def remake(module, args, kwargs):
@@ -551,10 +558,22 @@ class LeanLlama(nn.Module):
                         for source, part in zip(sources, whole.split([s.out_features for s in sources]),
                                                 strict=True):
                             source.weight = nn.Parameter(part.clone(), requires_grad=False)
-                handle.remove()
+                self.remade.remove()
 
-            handle = model.register_forward_pre_hook(remake, with_kwargs=True)
+            self.remade = model.register_forward_pre_hook(remake, with_kwargs=True)
         return len(let)
+
+    def _let_go(self, lean: LeanLayer, layer: nn.Module) -> None:
+        """keep_blocks for one layer: each product not let go yet that can read only its blocks lets its float32
+        weights go, the lean forward's and its sources' in transformers' model (their file pages too)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin, sources in ((lean.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)), (lean.o, (attn.o_proj,)),
+                             (lean.gate_up, (mlp.gate_proj, mlp.up_proj)), (lean.down, (mlp.down_proj,))):
+            if not lin.released and lin.keep_blocks():
+                for source in sources:
+                    native.drop_file_pages(source.weight)
+                    source.weight = nn.Parameter(lin.weight[: source.out_features], requires_grad=False)
+                self.let.append((lin, sources))
 
     def weights_read(self) -> str:
         """What a one-token step reads of the weights, by the paths it takes: e.g. "the GGUF's blocks (Q4_1, Q8_0),

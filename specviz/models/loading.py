@@ -550,6 +550,8 @@ def load_pair(
         head_name=(SHIPPED_HEAD.name if head == OFFLINE_HEAD else Path(head).name) if eagle else "",
         dtype_reason=dtype_why,
     )
+    if pair.device.type == "cpu" and LeanLlama.supports(pair.target) and not retune:
+        LeanLlama.of(pair.target, keep_blocks=True)  # layer by layer where this machine's table is measured
     prepare_kernels(pair, progress, retune)
     keep_blocks(pair, progress)
     return pair
@@ -609,7 +611,7 @@ def lean_linears(pair: ModelPair) -> list:
 def prepare_kernels(pair: ModelPair, progress: Progress = _quiet, retune: bool = False) -> None:
     """On a CPU: measure the kernels for every shape this machine's table lacks (all, with retune)."""
     if pair.device.type == "cpu":
-        kernels.tune([lin.weight for lin in lean_linears(pair)], progress, retune)
+        kernels.tune([lin.weight for lin in lean_linears(pair) if not lin.released], progress, retune)
 
 
 def keep_blocks(pair: ModelPair, progress: Progress = _quiet) -> None:

@@ -606,6 +606,36 @@ def trim_heap() -> None:
         pass
 
 
+MADV_DONTNEED = 4  # Linux's madvise advice: the pages may go; a file's are read from it again if touched
+
+
+def drop_file_pages(t: torch.Tensor) -> None:
+    """Let the pages of a tensor that views a file's memory map (a model loaded from safetensors) leave memory,
+    before the tensor is let go: the map lives while any view of it does, and holds every page read. A page of a
+    file's map that anything touches again is read from the file, the same bytes; memory of any other kind holds
+    its only copy and is left alone."""
+    if not t.is_contiguous():
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = -(-start // page) * page, end // page * page  # the whole pages inside its bytes
+    if last <= first:
+        return
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                span, _, _, _, inode, *path = line.split()
+                low, high = (int(a, 16) for a in span.split("-"))
+                if low <= start and end <= high:
+                    if inode != "0" and path and path[0].startswith("/"):
+                        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first),
+                                                  MADV_DONTNEED)
+                    return
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def unpack_blocks(packed: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
     """pack_blocks' weight [N, K] made again from its blocks: (d * q) + m (Q8_0: d * q) in float32, the values it
     was packed from, bit for bit (each one rounding of an exact product), for a caller that needs the float32
