@@ -554,7 +554,8 @@ class LeanLlama(nn.Module):
                 with torch.inference_mode(False), torch.no_grad():
                     for lin, sources in let:
                         n, k = lin.weight.shape
-                        whole = native.unpack_blocks(lin.blocks(), lin.released, n, k)
+                        whole = native.unpack_blocks(lin.blocks(), lin.released, n, k) if lin.released else \
+                            lin.weight  # made again already (Linear.dense)
                         for source, part in zip(sources, whole.split([s.out_features for s in sources]),
                                                 strict=True):
                             source.weight = nn.Parameter(part.clone(), requires_grad=False)
