@@ -1066,3 +1066,24 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
         assert (lean.native_weights(2) is not None) == (plan is not None) and not timed
     assert kernels.table(torch.float32).calls[lean.calls_key()]["2"] == ms
     assert kernels.table(torch.float32).calls["another model"] == other.calls["another model"]  # kept, not overwritten
+
+
+def test_specviz_native_0_turns_the_library_off_with_a_table_of_its_own(fresh_tables, monkeypatch):
+    """SPECVIZ_NATIVE=0: the library is neither built nor loaded, its paths are skipped with the reason, the
+    products take torch's paths, and the timings go in a table of their own (its machine says so)."""
+    from specviz.models import native
+    from specviz.models.leanllama import Linear
+
+    on = kernels._table_file(torch.float32)
+    monkeypatch.setenv("SPECVIZ_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert not native.runs_here() and "SPECVIZ_NATIVE=0" in kernels.unavailable(torch.float32)["avx2"]
+        assert kernels.machine()["native"] == "off" and kernels._table_file(torch.float32) != on
+        w = torch.randn(32, 64)
+        kernels.tune([w])
+        lin, x = Linear(w, None), torch.randn(3, 64)
+        assert not kernels.PATHS[lin.path(3)[0]].bits  # a library's path (oneDNN, MKL or F.linear)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w))
+    finally:
+        native.library.cache_clear()

@@ -270,11 +270,13 @@ def _cpu() -> tuple[str, tuple[str, ...]]:
 
 def machine() -> dict:
     """What the kernel timings depend on. Caps set in the environment count: ONEDNN_MAX_CPU_ISA and
-    ATEN_CPU_CAPABILITY make this CPU run another class's kernels, and get their own table."""
+    ATEN_CPU_CAPABILITY make this CPU run another class's kernels, and get their own table; so does turning
+    specviz's library off (SPECVIZ_NATIVE=0), whose paths are then skipped."""
     model, isa = _cpu()
     return {"cpu": model, "isa": list(isa), "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "arch": platform.machine()}
+            "torch": torch.__version__, "arch": platform.machine(),
+            **({"native": "off"} if native.turned_off() else {})}
 
 
 def cpu_class(m: dict | None = None) -> str:
@@ -680,7 +682,7 @@ def compare_dtypes(out_features: int, in_features: int, rows: tuple[int, ...] = 
         for out, inp, count, _ in products:
             key = f"{out}x{inp}"
             ms[dtype] += count * sum(t.times[key][str(r)][t.best(key, r)] for r in rows)  # rows are among ROWS
-    what = (f"the model's {sum(c for *_, c, _ in products)} products (float32 reading its file's blocks)"
+    what = (f"the model's {sum(c for *_, c, _ in products)} products (float32 timed on weights of its file's blocks)"
             if len(products) > 1 else f"the output head ({out_features}x{in_features})")
     return faster_dtype(f"{what} at {'+'.join(map(str, rows))} rows", ms[torch.float32], ms[torch.bfloat16])
 

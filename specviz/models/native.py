@@ -109,9 +109,16 @@ def build(progress: Callable[[str], None] | None = None) -> Path:
     return built
 
 
+def turned_off() -> bool:
+    """SPECVIZ_NATIVE=0: the library is not built or loaded; every product, norm and attention takes torch's way."""
+    return os.environ.get("SPECVIZ_NATIVE", "").lower() in ("0", "false", "no", "off")
+
+
 def _capability() -> str:
-    """'' where this process may run the library, else why not: ATen's own check of AVX2 and FMA
-    (ATEN_CPU_CAPABILITY caps it)."""
+    """'' where this process may run the library, else why not: turned off (SPECVIZ_NATIVE=0), or ATen's own
+    check of AVX2 and FMA (ATEN_CPU_CAPABILITY caps it)."""
+    if turned_off():
+        return "turned off (SPECVIZ_NATIVE=0)"
     capability = torch.backends.cpu.get_cpu_capability().lower()
     return "" if capability in ("avx2", "avx512") else f"needs AVX2 and FMA (ATen runs {capability} kernels here)"
 
