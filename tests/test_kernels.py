@@ -1077,6 +1077,7 @@ def test_specviz_native_0_turns_the_library_off_with_a_table_of_its_own(fresh_ta
     on = kernels._table_file(torch.float32)
     monkeypatch.setenv("SPECVIZ_NATIVE", "0")
     native.library.cache_clear()
+    native.runs_here.cache_clear()  # both asked once a process: a process starts with the switch set or not
     try:
         assert not native.runs_here() and "SPECVIZ_NATIVE=0" in kernels.unavailable(torch.float32)["avx2"]
         assert kernels.machine()["native"] == "off" and kernels._table_file(torch.float32) != on
@@ -1087,3 +1088,4 @@ def test_specviz_native_0_turns_the_library_off_with_a_table_of_its_own(fresh_ta
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w))
     finally:
         native.library.cache_clear()
+        native.runs_here.cache_clear()
