@@ -153,6 +153,16 @@ def blocks_llama(tmp_path):
     return AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
 
 
+def blocks_everywhere(model, ids: torch.Tensor) -> torch.Tensor:
+    """The table of blocks_llama's shapes with q4 fastest at every row count (the head's: a float path only); the
+    model's logits for ids before anything lets go."""
+    for shape in ("128x64", "64x64", "256x64", "64x128"):
+        timed(shape, avx2=1.0, q4=0.5)
+    timed("50x64", avx2=1.0)
+    with torch.inference_mode():
+        return model(ids).logits
+
+
 def test_a_model_of_blocks_lets_its_layers_float32_go_and_transformers_forward_gets_them_back(fresh_tables,
                                                                                                blocks_llama):
     """Every layer product on blocks: lean and transformers' weights alike become stand-ins (the memory goes);
@@ -160,13 +170,8 @@ def test_a_model_of_blocks_lets_its_layers_float32_go_and_transformers_forward_g
     logits are the ones it gave before."""
     from specviz.models.leanllama import LeanLlama
 
-    model = blocks_llama
-    for shape in ("128x64", "64x64", "256x64", "64x128"):
-        timed(shape, avx2=1.0, q4=0.5)
-    timed("50x64", avx2=1.0)
-    ids = torch.tensor([[1, 5, 7, 9]])
-    with torch.inference_mode():
-        logits = model(ids).logits
+    model, ids = blocks_llama, torch.tensor([[1, 5, 7, 9]])
+    logits = blocks_everywhere(model, ids)
     lean = LeanLlama.of(model)
     x = torch.randn(2, 64)
     before = lean.layers[0].qkv(x)
@@ -197,13 +202,8 @@ def test_a_measured_machine_lets_each_layer_go_as_the_lean_forward_is_built(fres
     built, not after all are: the same products, the same logits from transformers' forward afterwards."""
     from specviz.models.leanllama import LeanLlama
 
-    model = blocks_llama
-    for shape in ("128x64", "64x64", "256x64", "64x128"):
-        timed(shape, avx2=1.0, q4=0.5)
-    timed("50x64", avx2=1.0)
-    ids = torch.tensor([[1, 5, 7, 9]])
-    with torch.inference_mode():
-        logits = model(ids).logits
+    model, ids = blocks_llama, torch.tensor([[1, 5, 7, 9]])
+    logits = blocks_everywhere(model, ids)
     q = model.model.layers[0].self_attn.q_proj.weight.clone()
     lean = LeanLlama.of(model, keep_blocks=True)
     assert len(lean.let) == 8 and model.model.layers[1].mlp.up_proj.weight.untyped_storage().nbytes() <= 4
