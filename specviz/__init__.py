@@ -2,7 +2,8 @@
 
 from .core.events import DraftedToken, ExtraToken, RoundEvent, Run, RunMeta, load_runs, save_runs
 from .core.generator import Settings, baseline_events, generate, generate_batch, speculative_events
-from .core.sampling import SamplingParams, accept_or_resample, logits_to_probs
+from .core.rules import accept_or_resample
+from .core.sampling import SamplingParams, logits_to_probs
 from .models.loading import PRESETS, ModelPair, load_pair
 from .tools.stream import BatchRound, Finished, RoundDone, stream, stream_batch
 from .view import notebook as _notebook  # noqa: F401 - registers how a notebook draws a Run

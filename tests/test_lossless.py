@@ -7,7 +7,8 @@ import torch
 from conftest import seeded_rows_and_single_runs, words
 
 from specviz.core.generator import Settings
-from specviz.core.sampling import SamplingParams, accept_or_resample, logits_to_probs, residual_distribution
+from specviz.core.rules import accept_or_resample
+from specviz.core.sampling import SamplingParams, logits_to_probs, residual_distribution
 from specviz.tools.lossless import (
     broken_emitted_distribution,
     emitted_distribution,

@@ -3,15 +3,16 @@ sampling, with the same warping applied to p and q."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from specviz.core import sampling
+from specviz.core import rules
+from specviz.core.reads import fetch
+from specviz.core.rules import AHEAD, GREEDY, SAMPLED, Drafts, accept_or_resample
 from specviz.core.sampling import (
     SamplingParams,
-    accept_or_resample,
     children_of,
     logits_to_probs,
     residual_distribution,
-    rule_reads_ahead,
     sample,
 )
 
@@ -132,13 +133,21 @@ def test_sample_draws_each_token_at_its_probability_and_never_one_of_mass_zero(m
 
 
 
+def judged(rule, drafts: Drafts, parents: list[int]):
+    """The rule's verdict, its reads fetched as a round fetches them."""
+    reads = rule.reads(drafts)
+    fetch([reads])
+    return rule.judge(drafts, reads, parents)
+
+
 @pytest.mark.parametrize("parents", [[-1, 0, 1], [-1, -1, 0, 0, -1, 2]], ids=["chain", "tree"])
 def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents, monkeypatch):
     """A sampled round reads, with the rule's values, each node's ratio against the r it is tried with and the
     token drawn for every node the walk can end at (walk_ends), so the walk asks the device for nothing. From
     the same generator state it comes out draw for draw as the walk that asks: the same kept path, ratios,
     uniforms and last token, wherever it ends (after a rejection, after every child of a node, at a leaf), and
-    the residual the correction came from, which it takes from walk_ends' rows without computing one."""
+    the residual the correction came from, which it takes from walk_ends' rows without computing one (the
+    rules SampledRule and AheadRule)."""
     g = len(parents)
     p, _ = random_pq(5, SamplingParams(0.8), vocab=12)
     p = torch.cat([p[:1], p[1:]] * 4)[: g + 1].float()  # [g + 1, V]
@@ -154,15 +163,14 @@ def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents, monk
         return residual_distribution(r, q_)
 
     for _ in range(400):
-        drafts = sample(q, gen)
+        drafts = Drafts(p, q, sample(q, gen), gen, parents=torch.tensor(parents), branch=children.shape[1])
         state = gen.get_state()
-        asked = accept_or_resample(p, q, drafts, gen, parents=parents)
+        asked = judged(SAMPLED, drafts, parents)
         after = gen.get_state()
         gen.set_state(state)
-        values, residuals = rule_reads_ahead(p, q, drafts, gen, children)
         made.clear()
-        monkeypatch.setattr(sampling, "residual_distribution", counted)
-        ahead = accept_or_resample(p, q, drafts, gen, parents=parents, values=values.tolist(), residuals=residuals)
+        monkeypatch.setattr(rules, "residual_distribution", counted)
+        ahead = judged(AHEAD, drafts, parents)
         monkeypatch.undo()
         assert torch.equal(gen.get_state(), after) and not made  # the same draws, no more; no residual computed
         assert (ahead.path, ahead.next_token, ahead.u, ahead.accept_probs, ahead.rejected) == \
@@ -172,3 +180,22 @@ def test_what_the_walk_reads_ahead_is_what_it_would_have_asked_for(parents, monk
         ends_at.add(ahead.path[-1] if ahead.path else -1)
         shapes.add(len(ahead.rejected))
     assert ends_at == set(range(-1, g)) and max(shapes) >= children.shape[1]  # a node whose every child failed
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 1], [-1, -1, 0, 0, -1, 2]], ids=["chain", "tree"])
+def test_the_three_rules_agree_where_p_and_q_are_one_hot(parents):
+    """On greedy distributions (p and q one-hot) the sampled rules keep exactly what the greedy rule keeps and
+    add the same token, whatever the seed: a draft is kept with probability p(d) in {0, 1}, and the last draw
+    comes from a one-hot row."""
+    g, vocab, ends_at = len(parents), 6, set()
+    for seed in range(60):
+        gen = torch.Generator().manual_seed(seed)
+        best = torch.randint(0, vocab, (g + 1,), generator=gen)  # the target's argmax after the root and each node
+        draft = torch.where(torch.rand(g, generator=gen) < 0.6, best[torch.tensor(parents) + 1],
+                            torch.randint(0, vocab, (g,), generator=gen))  # drafts right in part
+        p, q = F.one_hot(best, vocab).float(), F.one_hot(draft, vocab).float()
+        d = Drafts(p, q, draft, gen, best=best, parents=torch.tensor(parents), branch=3)
+        verdicts = [judged(rule, d, parents) for rule in (GREEDY, SAMPLED, AHEAD)]
+        assert len({(tuple(v.path), v.next_token, tuple(v.rejected)) for v in verdicts}) == 1, seed
+        ends_at.add(verdicts[0].path[-1] if verdicts[0].path else -1)
+    assert len(ends_at) > 1  # walks that end at different places were tried

@@ -11,12 +11,13 @@ import torch
 from conftest import ARCHS, seeded_runs, word_id, words
 from test_generator import exact_baseline_distribution
 
-from specviz.core import sampling
+from specviz.core import rules, sampling
 from specviz.core.drafters import Proposal, graft
 from specviz.core.events import Run, runs_from_json, runs_to_json
 from specviz.core.generator import Settings, decode, draft_width, generate, parse_trees, tree_label
 from specviz.core.kvcache import CACHE_KINDS, KVState, Tree
-from specviz.core.sampling import SamplingParams, accept_or_resample
+from specviz.core.rules import accept_or_resample
+from specviz.core.sampling import SamplingParams
 from specviz.models.eagle import EagleHead, HeadConfig
 
 V = 6
@@ -132,7 +133,7 @@ def test_draws_of_the_tree_rule_follow_p_and_a_broken_residual_does_not(children
     firsts, seconds = tree_draws(p, qs, 20_000, children)
     assert sum(seconds.values()) > 2000  # node 0 was kept often enough to measure what follows it
     assert tv(firsts, p[0]) < 0.025 and tv(seconds, p[1]) < 0.025, (tv(firsts, p[0]), tv(seconds, p[1]))
-    monkeypatch.setattr(sampling, "residual_distribution", lambda r, q: r)
+    monkeypatch.setattr(rules, "residual_distribution", lambda r, q: r)
     firsts, _ = tree_draws(p, qs, 4_000, children)  # misses by about 0.12; noise at 4 000 rounds about 0.013
     assert tv(firsts, p[0]) > 0.05
 

@@ -19,7 +19,8 @@ from transformers import PreTrainedModel
 
 from ..models import native
 from ..models.eagle import EagleHead, HeadCache
-from .kvcache import KVState, left_padded, on_device, read_together
+from .kvcache import KVState, left_padded, on_device
+from .reads import Reads, fetch
 from .sampling import (
     SamplingParams,
     at_least_float32,
@@ -27,7 +28,6 @@ from .sampling import (
     draw_children,
     logits_to_probs,
     sample,
-    wide_dtype,
 )
 
 
@@ -79,19 +79,18 @@ class Proposal:
             raise RuntimeError("a pending tree's parents are on the device: Proposal.settled() reads them")
         return chain_parents(self.tokens.shape[0]) if self.parents is None else self.parents
 
-    def tree_reads(self) -> torch.Tensor:
-        """[2γ] on the device (wide_dtype), what `settled` reads: a pending tree's parents, then its scores."""
-        wide = wide_dtype(self.tokens.device)
-        return torch.cat([self.pending.parents.to(wide), self.pending.scores.to(wide)])
+    def tree_reads(self) -> Reads:
+        """What `settled` reads of a pending tree: its parents [γ] and scores [γ]."""
+        return Reads().add("parents", self.pending.parents).add("scores", self.pending.scores)
 
-    def settled(self, values: list[float] | None = None) -> Proposal:
-        """The proposal with its tree's parents and scores on the host; values: tree_reads(), read by the
+    def settled(self, reads: Reads | None = None) -> Proposal:
+        """The proposal with its tree's parents and scores on the host; reads: tree_reads(), fetched by the
         caller with others (else read here: one wait)."""
         if self.pending is None:
             return self
-        values = self.tree_reads().tolist() if values is None else values
-        gamma = self.tokens.shape[0]
-        return replace(self, parents=[int(v) for v in values[:gamma]], scores=values[gamma:], pending=None)
+        if reads is None:
+            fetch([reads := self.tree_reads()])
+        return replace(self, parents=[int(v) for v in reads["parents"]], scores=reads["scores"], pending=None)
 
     def parents_on_device(self) -> tuple[torch.Tensor, int]:
         """([γ] each node's parent, -1 the root, on the device; the most children a node has), sent from
@@ -503,8 +502,9 @@ class LookupFirstDrafter:
             trees = self.fallback.propose(seqs, gammas, params, generators)
             budget = getattr(self.fallback, "nodes", 0)
             joined = [i for i, c in enumerate(copied) if c.tokens.numel()]
-            host = iter(read_together([graft_reads(trees[i], copied[i]) for i in joined]))  # every row's, at once
-            return [graft(t, c, budget, not params.greedy, next(host)) if c.tokens.numel() else t
+            fetch(reads := [graft_reads(trees[i], copied[i]) for i in joined])  # every row's, at once
+            reads = iter(reads)
+            return [graft(t, c, budget, not params.greedy, next(reads)) if c.tokens.numel() else t
                     for c, t in zip(copied, trees, strict=True)]
         rest = self.fallback.propose(seqs, [0 if c.tokens.numel() else g for c, g in zip(copied, gammas, strict=True)],
                                      params, generators)
@@ -520,33 +520,32 @@ class LookupFirstDrafter:
         return self.fallback.cache_lens()
 
 
-def graft_reads(tree: Proposal, chain: Proposal) -> torch.Tensor:
-    """What `graft` reads, as one vector on the device (wide_dtype): the tree's ids, the chain's, then a
-    pending tree's parents and scores."""
-    wide, pending = wide_dtype(tree.tokens.device), [tree.tree_reads()] if tree.pending is not None else []
-    return torch.cat([tree.tokens.to(wide), chain.tokens.to(wide), *pending])
+def graft_reads(tree: Proposal, chain: Proposal) -> Reads:
+    """What `graft` reads: the tree's ids, the chain's, and a pending tree's shape (tree_reads)."""
+    reads = tree.tree_reads() if tree.pending is not None else Reads()
+    return reads.add("tree", tree.tokens).add("chain", chain.tokens)
 
 
 def graft(tree: Proposal, chain: Proposal, budget: int = 0, drawn: bool = False,
-          values: list[float] | None = None) -> Proposal:
+          reads: Reads | None = None) -> Proposal:
     """The tree with a deterministic chain (q one-hot, as prompt lookup's) joined from the root: where a
     node with the chain's next token exists it is shared, else a new node is added. Over a node budget,
     the tree's least likely leaves off the chain make room. The rule stays exact: every node is still a
     draw from its own q (sampling.py). A `drawn` tree (a sampled run's) must never lose a node for its
     value, or what is kept is no longer a draw from q (a likely token kept more often than q says): the
     chain is its own branch, shares nothing, and the tree's last nodes in level and draw order make room.
-    values: graft_reads(tree, chain), read by the caller with other rows' (else read here: one wait)."""
-    values = graft_reads(tree, chain).tolist() if values is None else values
-    n, m = tree.tokens.shape[0], chain.tokens.shape[0]
-    tree = tree.settled(values[n + m :]).widened()  # widened: the chain's tokens may lie outside the tree's vocabulary
-    parents, tokens = list(tree.tree), [int(t) for t in values[:n]]
+    reads: graft_reads(tree, chain), fetched by the caller with other rows' (else read here: one wait)."""
+    if reads is None:
+        fetch([reads := graft_reads(tree, chain)])
+    tree = tree.settled(reads).widened()  # widened: the chain's tokens may lie outside the tree's vocabulary
+    parents, tokens = list(tree.tree), [int(t) for t in reads["tree"]]
     scores = list(tree.scores) if tree.scores is not None else [1.0] * len(tokens)
     if drawn and budget:
-        tree_nodes = max(budget - m, 0)
+        tree_nodes = max(budget - chain.tokens.shape[0], 0)
         parents, tokens, scores = parents[:tree_nodes], tokens[:tree_nodes], scores[:tree_nodes]
     from_tree = len(tokens)  # nodes below this index are the tree's
     on_chain, node = set(), -1
-    for token in (int(t) for t in values[n : n + m]):
+    for token in (int(t) for t in reads["chain"]):
         child = None if drawn else next(
             (i for i, (p, t) in enumerate(zip(parents, tokens, strict=True)) if (p, t) == (node, token)), None)
         if child is None:

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import transformers
 
 from ..models import native
 from ..models.loading import ModelPair, encode_prompt
 from .drafters import (
-    Columns,
     Drafter,
     DraftModelDrafter,
     EagleDrafter,
@@ -37,35 +35,23 @@ from .drafters import (
     lookup_first_name,
 )
 from .events import (
-    ACCEPTED,
-    BONUS,
-    CORRECTION,
     MAX_BATCH,
     MAX_BRANCH,
     MAX_GAMMA,
     MAX_NEW_TOKENS,
     MAX_NODES,
     MAX_SEED,
-    REJECTED,
-    TARGET,
-    UNVERIFIED,
     DraftedToken,
     ExtraToken,
     RoundEvent,
     Run,
     RunMeta,
-    TopToken,
 )
-from .kvcache import CACHE_KINDS, KVState, Tree, on_device, read_together, reads_wait, stacked
-from .sampling import (
-    SamplingParams,
-    accept_or_resample,
-    children_of,
-    logits_to_probs,
-    rule_reads,
-    rule_reads_ahead,
-    wide_dtype,
-)
+from .kvcache import CACHE_KINDS, Forward, KVState, Tree, on_device, reads_wait, stacked
+from .reads import fetch
+from .recording import Recorder, TokenTexts, View
+from .rules import Drafts, rule_for
+from .sampling import SamplingParams, Verdict, logits_to_probs
 from .schedules import POLICIES, make_policy
 
 
@@ -169,32 +155,6 @@ def check_fits(pair: ModelPair, prompt_ids: list[int], settings: Settings) -> No
                          f"γ = {gamma} that needs {need} positions, more than the models' {limit}")
 
 
-class TokenTexts:
-    """Decoded text of single token ids, memoised (decode is the slow part of an event). `of` keeps one per
-    tokenizer across runs: a run records its drafts and, for the inspector, about ten candidates a drafted token,
-    mostly the same ids from run to run."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    @staticmethod
-    def of(tokenizer) -> TokenTexts:
-        texts = _TEXTS.get(tokenizer)
-        if texts is None:
-            texts = _TEXTS[tokenizer] = TokenTexts(tokenizer)
-        return texts
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-
-_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its TokenTexts
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -202,50 +162,6 @@ def _sync(device: torch.device) -> None:
 
 def _seeded_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
-
-
-def _top_tokens(p_show, q_show, asks, k, text, residual=None) -> list[list[TopToken]]:
-    """Candidates at each asked position, for the inspector: the union of the k most likely tokens
-    under p and under q (where q has mass: a one-hot q has one), and the chosen one. asks: per
-    position (p row, q row or None, chosen id, with the residual row or not); None as q row: nothing
-    was drafted there (a bonus or a baseline step). Two top-k calls and one gather per value for
-    the whole round, not a handful of small tensor calls per position."""
-    device, g = p_show.probs.device, q_show.probs.shape[0]
-    # two reads for the round: the top k ids under p and q (-1 where q has no mass), then the values
-    parts = [p_show.top(k)[0]]  # [g + 1, k]
-    if g:
-        q_ids, mass = q_show.top(k)
-        parts.append(torch.where(mass, q_ids, -1))  # [g, k'] (k' < k where the drafter's vocabulary is smaller)
-    flat, tops, at = torch.cat([t.flatten() for t in parts]).tolist(), [], 0
-    for t in parts:
-        for _ in range(t.shape[0]):
-            tops.append(flat[at : at + t.shape[1]])
-            at += t.shape[1]
-    p_top, q_top = tops[: len(tops) - g], [[i for i in row if i >= 0] for row in tops[len(tops) - g :]]
-    ids = [sorted({*p_top[p_row], chosen, *(q_top[q_row] if q_row is not None else ())})
-           for p_row, q_row, chosen, _ in asks]
-    flat = [i for row in ids for i in row]
-    p_rows = [p_row for (p_row, *_), row in zip(asks, ids, strict=True) for _ in row]
-    q_rows = [q_row or 0 for (_, q_row, *_), row in zip(asks, ids, strict=True) for _ in row]
-    p_rows, q_rows, flat_d = on_device([p_rows, q_rows, flat], device)  # sent without a wait
-    values = [p_show.at(p_rows, flat_d)]
-    if g:
-        values.append(q_show.at(q_rows, flat_d))
-    if residual is not None:
-        values.append(residual[flat_d])
-    values = torch.cat(values).tolist()
-    n = len(flat)
-    p, q = values[:n], values[n : 2 * n] if g else []
-    res = values[(2 if g else 1) * n :] if residual is not None else []
-    out, at = [], 0
-    for (_, q_row, _, with_residual), row in zip(asks, ids, strict=True):
-        span = range(at, at + len(row))
-        at += len(row)
-        rows = [(i, p[j], q[j] if q_row is not None else 0.0, res[j] if with_residual else None)
-                for i, j in zip(row, span, strict=True)]
-        rows.sort(key=lambda r: -(r[1] + r[2]))
-        out.append([TopToken(i, text(i), pi, qi, ri) for i, pi, qi, ri in rows])
-    return out
 
 
 def machine_name(device: torch.device) -> str:
@@ -323,104 +239,6 @@ def finish_reason(new: list[int], generated: int, max_new_tokens: int, eos_ids) 
     if any(t in eos_ids for t in new):
         return "eos"
     return "length" if generated >= max_new_tokens else None
-
-
-@dataclass
-class Shown:
-    """Rows of a distribution as the page reads them, at a few ids each: probabilities [R, V], or [R, N + 1]
-    over a drafter's own vocabulary (columns) and a last column of zeros, where every other id is read."""
-
-    probs: torch.Tensor
-    columns: Columns | None = None
-
-    @staticmethod
-    def of(probs: torch.Tensor, columns: Columns | None) -> Shown:
-        return Shown(probs if columns is None else F.pad(probs, (0, 1)), columns)
-
-    def _cols(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.columns is None else self.columns.of[ids]
-
-    def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The probability of ids in rows (index tensors broadcast together, as in probs[rows, ids])."""
-        return self.probs[rows, self._cols(ids)]
-
-    def every(self, ids: torch.Tensor) -> torch.Tensor:
-        """[R, n]: the probability of each of ids [n] at every row."""
-        return self.probs[:, self._cols(ids)]
-
-    def own(self, ids: torch.Tensor) -> torch.Tensor:
-        """[R]: row i's probability of ids[i]."""
-        return self.probs.gather(1, self._cols(ids)[:, None])[:, 0]
-
-    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids [R, k'], whether each has mass): each row's k likeliest ids (k' = min(k, N))."""
-        probs = self.probs if self.columns is None else self.probs[:, :-1]
-        values, cols = native.topk(probs, min(k, probs.shape[-1]))
-        return (cols if self.columns is None else self.columns.ids[cols]), values > 0
-
-
-def _shown(proposal: Proposal, p_logits: torch.Tensor, p: torch.Tensor, params: SamplingParams) -> tuple[Shown, Shown]:
-    """(p [g + 1 rows], q [g rows]): what the viewer sees, the rule's p and q, or the plain softmax when greedy
-    (over the drafter's own vocabulary where it has one: the same numbers, a fraction of the width)."""
-    q = proposal.logits.softmax(-1) if params.greedy and proposal.logits is not None else proposal.q
-    return Shown(p_logits.softmax(-1) if params.greedy else p), Shown.of(q, proposal.columns)
-
-
-def _shown_reads(proposal: Proposal, p_show: Shown, q_show: Shown, best: torch.Tensor | None) -> torch.Tensor:
-    """The values shown for a round, as one vector on the device (wide_dtype): p of each drafted token at every
-    row [g + 1, g] (its parent's row is picked on the host, so no index list goes to the device) and q of
-    each [g]. Given best [g + 1], the extra token for each place the walk can end, known before it does
-    (greedy: each row's argmax of the target's logits; sampled where a read waits: walk_ends): also its p at
-    every row [g + 1] and q at every node [g, g + 1]."""
-    drafts = proposal.tokens
-    values = [p_show.every(drafts).flatten(), q_show.own(drafts)]
-    if best is not None:
-        values.append(p_show.own(best))
-        if drafts.numel():
-            values.append(q_show.every(best).flatten())
-    return torch.cat(values).to(wide_dtype(drafts.device))
-
-
-def _round_tokens(proposal, tokens, p_show, q_show, shown, verdict, path, stop_at, params, record_top, text):
-    """The round's drafted nodes (tokens: their ids) and its correction or bonus token, as events.
-    p_show, q_show: what the viewer sees (_shown); shown: _shown_reads of them, read; path: the kept nodes."""
-    gamma, parents = len(tokens), proposal.tree
-    end = path[-1] if path else -1  # the node the walk ended at (-1: the root)
-    # a rejection shows where it was tested below the kept path; under an accepted EOS the text has ended
-    tested = {-1, *path} - ({end} if stop_at is not None else set())
-    corrected = verdict.rejected[-1] if verdict.rejected and parents[verdict.rejected[-1]] == end else None
-    extra_id = verdict.next_token if stop_at is None else None
-    children = [i for i, parent in enumerate(parents) if parent == end]
-    p_d = [shown[(parent + 1) * gamma + i] for i, parent in enumerate(parents)]
-    q_d = shown[(gamma + 1) * gamma : (gamma + 2) * gamma]
-    if extra_id is not None and len(shown) > (gamma + 2) * gamma:  # known before the walk ended (best): read
-        at = (gamma + 2) * gamma
-        p_extra = shown[at + end + 1]
-        q_extra = shown[at + gamma + 1 + children[0] * (gamma + 1) + end + 1] if children else None
-    elif extra_id is not None:  # a sampled walk's, drawn at its end (a CPU): one more read
-        at = on_device([end + 1, children[0] if children else 0, extra_id], proposal.tokens.device)
-        values = [p_show.at(at[:1], at[2:])] + ([q_show.at(at[1:2], at[2:])] if children else [])
-        p_extra, *q_extra = torch.cat(values).tolist()
-        q_extra = q_extra[0] if q_extra else None
-    tops = [[] for _ in range(gamma + 1)]
-    if record_top:  # the extra's candidates too: where two runs part, the size of the tie
-        residual = verdict.residual if corrected is not None and not params.greedy else None
-        asks = [(parents[i] + 1, i, tok, i == corrected and residual is not None) for i, tok in enumerate(tokens)]
-        if extra_id is not None:
-            asks.append((end + 1, children[0] if children else None, extra_id, False))
-        tops = _top_tokens(p_show, q_show, asks, record_top, text, residual)
-    drafted = []
-    for i, tok in enumerate(tokens):
-        status = ACCEPTED if i in path else REJECTED if i in verdict.rejected and parents[i] in tested else UNVERIFIED
-        u = verdict.u[i] if status != UNVERIFIED else None
-        score = proposal.scores[i] if proposal.scores is not None else None
-        drafted.append(DraftedToken(tok, text(tok), q_d[i], p_d[i], verdict.accept_probs[i], u, status, tops[i],
-                                    score))
-    extra = None
-    if extra_id is not None:
-        kind = CORRECTION if children else BONUS if gamma else TARGET  # nothing drafted: a plain step
-        extra = ExtraToken(extra_id, text(extra_id), kind, p_extra, q_extra, tops[gamma])
-    return drafted, extra
 
 
 @dataclass(frozen=True)
@@ -505,6 +323,150 @@ def _capacity(prompts_ids: list[list[int]], settings: Settings) -> int:
     return max(map(len, prompts_ids)) + settings.max_new_tokens + draft_width(settings) + 2
 
 
+@dataclass
+class Rows:
+    """Each row's state on the host, by original row number; `active` lists the rows still decoding, in the
+    order the models' states hold them."""
+
+    seqs: list[list[int]]  # each row's ids so far
+    generators: list[torch.Generator]  # each row's own, seeded as if it ran alone
+    policies: list
+    generated: list[int]
+    rounds: list[int]
+    active: list[int]
+
+    @staticmethod
+    def of(prompts_ids: list[list[int]], settings: Settings, device: torch.device, seeds: list[int] | None) -> Rows:
+        n = len(prompts_ids)
+        generators = [_seeded_generator(device, seed) for seed in seeds or [settings.seed] * n]
+        policies = [make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max) for _ in range(n)]
+        return Rows([list(p) for p in prompts_ids], generators, policies, [0] * n, [0] * n, list(range(n)))
+
+    def now(self, values: list) -> list:
+        """The active rows' entries of a per-row list, in state order."""
+        return [values[r] for r in self.active]
+
+    def drop(self, finished: list[int], target: KVState, drafter: Drafter) -> None:
+        """Take the finished rows (positions in `active`) out of the batch and out of both models' states."""
+        if finished:
+            keep = [i for i in range(len(self.active)) if i not in finished]
+            if keep:
+                target.select(keep)
+                drafter.select(keep)
+            self.active = [self.active[i] for i in keep]
+
+    def gammas(self, settings: Settings, speculative: bool) -> list[int]:
+        """Each active row's γ: its policy's, never past its budget (n kept + 1 added <= what remains)."""
+        return [min(self.policies[r].next_gamma(), settings.max_new_tokens - self.generated[r] - 1)
+                if speculative else 0 for r in self.active]
+
+
+def _check_decode(settings: Settings, mode: str, prompts_ids: list[list[int]], seeds: list[int] | None) -> None:
+    """ValueError before any model work."""
+    settings.validate()
+    if mode not in ("speculative", "baseline"):
+        raise ValueError(f"mode must be 'speculative' or 'baseline', got {mode!r}")
+    if not prompts_ids or (seeds is not None and len(seeds) != len(prompts_ids)):
+        raise ValueError("decode needs one or more prompts (and, if given, one seed per prompt)")
+
+
+def _start(pair: ModelPair, prompts_ids: list[list[int]], settings: Settings, drafter: Drafter) -> KVState:
+    """The target's state after the prefill, and the drafter's: each row's sequence but its last token. Rows with
+    the same prompt share one prefill, copied to them."""
+    distinct = {tuple(p): k for k, p in enumerate(dict.fromkeys(map(tuple, prompts_ids)))}  # prompt -> state row
+    target = KVState(pair.target, len(distinct), settings.cache, pair.vocab_size, _capacity(prompts_ids, settings),
+                     settings.compile)
+    prompts = [list(p) for p in distinct]
+    drafter.start(prompts, target.prefill(prompts, pad_id(pair), hidden=drafter.requires_hidden).hidden)
+    if len(distinct) < len(prompts_ids):
+        rows = [distinct[tuple(p)] for p in prompts_ids]
+        target.select(rows)
+        drafter.select(rows)
+    return target
+
+
+def _any_tree(proposals: list[Proposal]) -> bool:
+    """Whether a row drafted a tree this round (else every row's drafts are a chain)."""
+    return any(p.is_tree and p.tokens.shape[0] for p in proposals)
+
+
+def _verify(target: KVState, proposals: list[Proposal], lasts: torch.Tensor, pad: int, hidden: bool,
+            shaped: bool) -> tuple[Forward, list[tuple[torch.Tensor, int]]]:
+    """One target forward over each row's last token and its drafts, ids [B, width] padded: logits [B, width, V]
+    (row 1 + i after node i). A tree's nodes attend to the prefix and their ancestors, at position length +
+    depth, the mask made on the device from each row's parents (a tree ranked there is verified before the host
+    learns its shape). shaped: the rule wants each row's (parents [g] on the device, branch) too."""
+    drafted = [p.tokens.shape[0] for p in proposals]
+    width = max(drafted) + 1  # lasts [B]: each row's last token
+    ids = stacked([torch.cat([lasts[i : i + 1], p.tokens]) for i, p in enumerate(proposals)], pad)
+    real = [[True] * (g + 1) + [False] * (width - g - 1) for g in drafted]
+    is_tree = _any_tree(proposals)
+    shapes = [p.parents_on_device() for p in proposals] if is_tree or shaped else []
+    tree = Tree.from_parents(stacked([parents for parents, _ in shapes], -2)) if is_tree else None
+    return target.forward(ids, real, hidden=hidden, tree=tree), shapes
+
+
+class Judged(NamedTuple):
+    """One row's round after the rule: its proposal (a pending tree's shape now on the host), the verdict, and
+    what the viewer is shown of it."""
+
+    proposal: Proposal
+    verdict: Verdict
+    view: View
+
+
+def _judge(rule, recorder: Recorder, proposals: list[Proposal], logits: torch.Tensor, shapes: list,
+           generators: list[torch.Generator], params: SamplingParams) -> list[Judged]:
+    """The rule's verdict on each row's drafts, with what the viewer is shown, after one read for the round.
+    logits [B, width, V]; greedy, the rule reads each row's argmax only; sampled, p (warped as q was) and q
+    over the whole vocabulary."""
+    drafted = [p.tokens.shape[0] for p in proposals]
+    best = native.argmax(logits) if params.greedy else None  # [B, width]
+    if not params.greedy:
+        logits_p, proposals = logits_to_probs(logits, params), [prop.widened() for prop in proposals]
+    drafts = [Drafts(logits[i, : g + 1] if best is not None else logits_p[i, : g + 1], prop.q, prop.tokens,
+                     generators[i], None if best is None else best[i, : g + 1], *(shapes[i] if shapes else (None, 1)))
+              for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
+    reads = [rule.reads(d) for d in drafts]
+    views = [recorder.look(prop, logits[i, : d.gamma + 1], d.p, rule.ends(reads[i]))
+             for i, (prop, d) in enumerate(zip(proposals, drafts, strict=True))]
+    trees = [prop.tree_reads() if prop.pending is not None else None for prop in proposals]
+    fetch(reads + [v.reads for v in views] + [t for t in trees if t is not None])  # the round's one read
+    proposals = [prop.settled(t) for prop, t in zip(proposals, trees, strict=True)]
+    return [Judged(prop, rule.judge(d, r, prop.tree), view)
+            for d, r, prop, view in zip(drafts, reads, proposals, views, strict=True)]
+
+
+class Kept(NamedTuple):
+    """What a row's round added: its drafted tokens and extra token as events, drafts kept, their nodes, and
+    why the row ended ("eos", "length"; None: it goes on)."""
+
+    tokens: list[DraftedToken]
+    extra: ExtraToken | None
+    n: int
+    path: list[int]
+    finish: str | None
+
+
+def _commit(pair: ModelPair, settings: Settings, rows: Rows, target: KVState, recorder: Recorder, slots: range,
+            judged: list[Judged]) -> list[Kept]:
+    """Each active row keeps its accepted drafts (an accepted EOS ends it there) and adds the correction or bonus.
+    slots: where the verify wrote the drafts in the target's state; it keeps x_last (the slot before) and the kept
+    nodes, moved to the slots after it (a chain's are there already)."""
+    out = []
+    for i, (r, (prop, verdict, view)) in enumerate(zip(rows.active, judged, strict=True)):
+        n, stop_at = kept_drafts(verdict.n_accepted, [verdict.tokens[j] for j in verdict.path], pair.eos_token_ids)
+        path = verdict.path[:n]
+        target.keep(i, slots.start, slots.stop, [slots[j] for j in path])
+        tokens, extra = recorder.tokens(view, prop, verdict, path, stop_at)
+        new = [verdict.tokens[j] for j in path] + ([extra.id] if extra else [])
+        rows.seqs[r] += new
+        rows.generated[r] += len(new)
+        out.append(Kept(tokens, extra, n, path, finish_reason(new, rows.generated[r], settings.max_new_tokens,
+                                                              pair.eos_token_ids)))
+    return out
+
+
 @torch.inference_mode()
 def decode(
     pair: ModelPair, prompts_ids: list[list[int]], settings: Settings, mode: str = "speculative",
@@ -514,139 +476,60 @@ def decode(
 
     mode "baseline" drafts nothing: one plain target step per round. Each row has its own random
     generator (seeded like a single run with settings.seed, or with seeds[row]), γ policy and
-    budget, and leaves the batch when done, so a row decodes what it would decode alone. Rows
-    with the same prompt share one prefill. Times are per row: a batch's round time divided by
-    the rows in it (a single run gets the whole). Fills metas' prefill_ms.
+    budget, and leaves the batch when done, so a row decodes what it would decode alone. Times are
+    per row: a batch's round time divided by the rows in it (a single run gets the whole). Fills
+    metas' prefill_ms. A round: propose, verify, judge, commit, record.
     """
-    settings.validate()
-    if mode not in ("speculative", "baseline"):
-        raise ValueError(f"mode must be 'speculative' or 'baseline', got {mode!r}")
-    if not prompts_ids or (seeds is not None and len(seeds) != len(prompts_ids)):
-        raise ValueError("decode needs one or more prompts (and, if given, one seed per prompt)")
-    params, device, V = settings.sampling, pair.device, pair.vocab_size
+    _check_decode(settings, mode, prompts_ids, seeds)
+    params, device, rows = settings.sampling, pair.device, Rows.of(prompts_ids, settings, pair.device, seeds)
     draft_params = SamplingParams(0.0) if settings.draft_greedy else params  # greedy: argmax, q one-hot
-    ahead = not params.greedy and reads_wait(device)  # the same tokens either way, read once a round or not
-    text = TokenTexts.of(pair.tokenizer)
-    n_rows, capacity, pad = len(prompts_ids), _capacity(prompts_ids, settings), pad_id(pair)
-    generators = [_seeded_generator(device, seed) for seed in seeds or [settings.seed] * n_rows]  # as if alone
-    policies = [make_policy(settings.gamma_policy, settings.gamma, settings.gamma_max) for _ in range(n_rows)]
-    seqs = [list(p) for p in prompts_ids]  # each row's ids so far, on the host
-    generated, indices = [0] * n_rows, [0] * n_rows
-    active = list(range(n_rows))  # original row numbers, in state order
-
+    rule = rule_for(params, ahead=reads_wait(device))  # the same tokens either way: read once a round or not
+    recorder = Recorder(params, settings.record_top, TokenTexts.of(pair.tokenizer))
     start = time.perf_counter()
-    drafter = make_drafter(pair, settings, mode, capacity)
-    # the target's state holds each row's sequence but its last token
-    distinct = {tuple(p): k for k, p in enumerate(dict.fromkeys(map(tuple, prompts_ids)))}  # prompt -> state row
-    target = KVState(pair.target, len(distinct), settings.cache, V, capacity, settings.compile)
-    prompts = [list(p) for p in distinct]
-    prefill = target.prefill(prompts, pad, hidden=drafter.requires_hidden)
-    drafter.start(prompts, prefill.hidden)
-    if len(distinct) < n_rows:  # copy each distinct prompt's state to its rows
-        rows = [distinct[tuple(p)] for p in prompts_ids]
-        target.select(rows)
-        drafter.select(rows)
+    drafter = make_drafter(pair, settings, mode, _capacity(prompts_ids, settings))
+    target = _start(pair, prompts_ids, settings, drafter)
     _sync(device)
     for meta in metas or []:
-        meta.prefill_ms = 1000 * (time.perf_counter() - start) / n_rows
+        meta.prefill_ms = 1000 * (time.perf_counter() - start) / len(prompts_ids)
 
-    while active:
-        # Never draft past a row's budget: n kept + 1 added <= remaining.
-        gammas = [min(policies[r].next_gamma(), settings.max_new_tokens - generated[r] - 1)
-                  for r in active] if mode == "speculative" else [0] * len(active)
+    while rows.active:
         t0 = time.perf_counter()
-        proposals = drafter.propose([seqs[r] for r in active], gammas, draft_params, [generators[r] for r in active])
+        gammas = rows.gammas(settings, mode == "speculative")
+        proposals = drafter.propose(rows.now(rows.seqs), gammas, draft_params, rows.now(rows.generators))
         _sync(device)
-        t1 = time.perf_counter()
-        drafted = [p.tokens.shape[0] for p in proposals]  # g_i drafted nodes (a chain: g_i <= γ_i)
-        width = max(drafted) + 1
-        # [B, width]: each row's last token and drafts, padded
-        lasts = on_device([seqs[r][-1] for r in active], device)  # [B] each row's last token
-        verify_ids = stacked([torch.cat([lasts[i : i + 1], p.tokens]) for i, p in enumerate(proposals)], pad)
-        verify_real = [[True] * (g + 1) + [False] * (width - g - 1) for g in drafted]
-        # a tree: each node attends to the prefix and its ancestors, at position length + depth, made on the device
-        # from each row's parents (a tree ranked there is verified before the host learns its shape)
-        is_tree = any(p.is_tree and p.tokens.shape[0] for p in proposals)
-        shapes = [p.parents_on_device() for p in proposals] if is_tree or ahead else []  # ([g] parents, branch)
-        tree = Tree.from_parents(stacked([parents for parents, _ in shapes], -2)) if is_tree else None
-        base = target.width
-        verify = target.forward(verify_ids, verify_real, hidden=drafter.requires_hidden, tree=tree)
-        best = native.argmax(verify.logits) if params.greedy else None  # [B, g_max+1]: greedy, the extra and the test
-        if params.greedy:  # the rule reads neither p nor q: only the drafts and each row's argmax
-            ps = [verify.logits[i, : g + 1] for i, g in enumerate(drafted)]
-        else:  # [B, g_max+1, V]: row 1+i = p(. | x, path to node i); q over the whole vocabulary too
-            p_all = logits_to_probs(verify.logits, params)
-            ps = [p_all[i, : g + 1] for i, g in enumerate(drafted)]
-            proposals = [prop.widened() for prop in proposals]
-        bests = [None if best is None else best[i, : g + 1] for i, g in enumerate(drafted)]
-        shows = [_shown(prop, verify.logits[i, : g + 1], ps[i], params)
-                 for i, (g, prop) in enumerate(zip(drafted, proposals, strict=True))]
-        # one read for the whole round: every row's values for the rule, then the values the page shows
-        residuals = [None] * len(proposals)
-        if ahead:  # sampled, where a read waits: the walk's reads and draws made for every node (walk_ends)
-            reads = [rule_reads_ahead(ps[i], prop.q, prop.tokens, generators[r], children_of(*shapes[i]))
-                     for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
-            wanted, residuals = [v for v, _ in reads], [last_r for _, last_r in reads]
-            # like greedy's argmax, the token at each node the walk can end at is known already
-            bests = [wanted[i][-(g + 1) :].long() for i, g in enumerate(drafted)]
-        else:
-            wanted = [rule_reads(ps[i], prop.q, prop.tokens, generators[r], params.greedy, bests[i])
-                      for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
-        wanted += [_shown_reads(prop, *show, bests[i])
-                   for i, (prop, show) in enumerate(zip(proposals, shows, strict=True))]
-        wanted += [prop.tree_reads() for prop in proposals if prop.pending is not None]  # and its shape, last
-        host = read_together(wanted)
-        shapes_read = iter(host[2 * len(active) :])
-        proposals = [prop if prop.pending is None else prop.settled(next(shapes_read)) for prop in proposals]
-        verdicts = [accept_or_resample(ps[i], prop.q, prop.tokens, generators[r], params.greedy, prop.parents,
-                                       host[i], residuals[i])
-                    for i, (r, prop) in enumerate(zip(active, proposals, strict=True))]
+        t1, width = time.perf_counter(), max(p.tokens.shape[0] for p in proposals) + 1
+        slots = range(target.width + 1, target.width + width)  # where the verify writes the drafts
+        lasts, chain = on_device([seq[-1] for seq in rows.now(rows.seqs)], device), not _any_tree(proposals)
+        verify, shapes = _verify(target, proposals, lasts, pad_id(pair), drafter.requires_hidden, rule.needs_shapes)
+        judged = _judge(rule, recorder, proposals, verify.logits, shapes, rows.now(rows.generators), params)
         _sync(device)
         t2 = time.perf_counter()
-
-        rows, paths = [], []  # per active row: (drafted tokens, extra, n kept, new ids, finish reason); kept nodes
-        for i, (r, prop, verdict) in enumerate(zip(active, proposals, verdicts, strict=True)):
-            drafted_ids = verdict.tokens
-            n, stop_at = kept_drafts(verdict.n_accepted, [drafted_ids[j] for j in verdict.path], pair.eos_token_ids)
-            path = verdict.path[:n]
-            # keep x_last and the kept nodes, moved to the slots after it (a chain's are there already)
-            target.keep(i, base + 1, base + width, [base + 1 + j for j in path])
-            tokens, extra = _round_tokens(prop, drafted_ids, *shows[i], host[len(active) + i], verdict, path, stop_at,
-                                          params, settings.record_top, text)
-            new = [drafted_ids[j] for j in path] + ([extra.id] if extra else [])
-            seqs[r] += new
-            generated[r] += len(new)
-            rows.append((tokens, extra, n, new, finish_reason(new, generated[r], settings.max_new_tokens,
-                                                                pair.eos_token_ids)))
-            paths.append(path)
-        drafter.verified([row[2] for row in rows], _along(verify.hidden, paths, tree is None))
-        target_lens, draft_lens = target.trim(), drafter.cache_lens()
-        elapsed = 1000 * (time.perf_counter() - start)
-        share = 1000 / len(active)  # ms per row of this round's batch-wide seconds
-
-        out, finished = [], []
-        for i, (r, g, (tokens, extra, n, _, finish)) in enumerate(zip(active, drafted, rows, strict=True)):
-            event = RoundEvent(
-                index=indices[r], gamma=g, drafted=tokens, extra=extra, n_accepted=n,
-                draft_ms=share * (t1 - t0), verify_ms=share * (t2 - t1), target_cache_len=target_lens[i],
-                draft_cache_len=draft_lens[i] if draft_lens else 0, tokens_so_far=generated[r],
-                elapsed_ms=elapsed, finish_reason=finish, drafted_by=proposals[i].source,
-                parents=list(proposals[i].parents or []),
-            )
-            indices[r] += 1
-            policies[r].observe(event)
-            out.append((r, event))
-            if finish:
-                finished.append(i)
-        if finished:
-            keep = [i for i in range(len(active)) if i not in finished]
-            if keep:
-                target.select(keep)
-                drafter.select(keep)
-            active = [active[i] for i in keep]
+        kept = _commit(pair, settings, rows, target, recorder, slots, judged)
+        drafter.verified([k.n for k in kept], _along(verify.hidden, [k.path for k in kept], chain))
+        out = _record(rows, judged, kept, target.trim(), drafter.cache_lens(), (t1 - t0, t2 - t1),
+                      1000 * (time.perf_counter() - start))
+        rows.drop([i for i, k in enumerate(kept) if k.finish], target, drafter)
         suspended = time.perf_counter()
         yield out
         start += time.perf_counter() - suspended  # the consumer's time between rounds is not the run's
+
+
+def _record(rows: Rows, judged: list[Judged], kept: list[Kept], target_lens: list[int], draft_lens: list[int],
+            seconds: tuple[float, float], elapsed_ms: float) -> list[tuple[int, RoundEvent]]:
+    """The round's event for each active row (its γ policy learns from it); seconds: (drafting, verifying) for
+    the whole batch, shared among its rows."""
+    share, out = 1000 / len(rows.active), []
+    for i, (r, (prop, *_), k) in enumerate(zip(rows.active, judged, kept, strict=True)):
+        event = RoundEvent(
+            index=rows.rounds[r], gamma=prop.tokens.shape[0], drafted=k.tokens, extra=k.extra, n_accepted=k.n,
+            draft_ms=share * seconds[0], verify_ms=share * seconds[1], target_cache_len=target_lens[i],
+            draft_cache_len=draft_lens[i] if draft_lens else 0, tokens_so_far=rows.generated[r],
+            elapsed_ms=elapsed_ms, finish_reason=k.finish, drafted_by=prop.source, parents=list(prop.parents or []),
+        )
+        rows.rounds[r] += 1
+        rows.policies[r].observe(event)
+        out.append((r, event))
+    return out
 
 
 def _along(hidden: torch.Tensor | None, paths: list[list[int]], chain: bool) -> torch.Tensor | None:

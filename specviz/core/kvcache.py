@@ -430,17 +430,6 @@ def on_device(values: list, device: torch.device, dtype: torch.dtype | None = No
     return host.to(device)
 
 
-def read_together(values: list[torch.Tensor]) -> list[list[float]]:
-    """Each 1-d device tensor as a host list, all in one read (one wait for the device's queue)."""
-    if not values:
-        return []
-    flat, out, at = torch.cat(values).tolist(), [], 0
-    for v in values:
-        out.append(flat[at : at + v.numel()])
-        at += v.numel()
-    return out
-
-
 def stacked(rows: list[torch.Tensor], pad: int) -> torch.Tensor:
     """ids [B, w] from each row's ids already on the device (nothing sent from the host), padded on the
     right to the longest row."""
