@@ -22,6 +22,15 @@
 
 #define INLINE static inline __attribute__((always_inline))
 #include "gemm_store.h"
+#include "specviz_abi.h"
+
+void specviz_abi(struct specviz_abi *out)
+{
+    out->version = SPECVIZ_ABI_VERSION;
+    out->layers_dims = sizeof(struct specviz_layers_dims);
+    out->layer = sizeof(struct specviz_layer);
+    out->product = sizeof(struct specviz_product);
+}
 
 /* The 16 weights of a block at k as two float32 vectors (bf16: a literal 0 or 1 where inlined, rows a
    constant). A bfloat16 is the top half of a float32. native.pack stores a bfloat16 block's columns as 0-3,
@@ -904,10 +913,6 @@ static void silu_mul(const void *gate_up, const uint16_t *silu, void *act, int64
         specviz_silu_mul_bf16(gate_up, silu, act, rows, I, share);
 }
 
-/* A product of specviz_layers: y [m, n] = x [m, k] w^T + b, through the packed weight w, in the model's dtype
-   (specviz_gemm and the others above: the caller took each from the path this machine chose for it). */
-typedef void (*product_fn)(const void *x, const void *w, const float *b, void *y, int m, int n, int k);
-
 /* A bfloat16 model's product on the FMA kernels (paths "avx2" and "avx512", CPUs with no bf16 instructions): x
    widened to float32 (exact), the kernel on the packed bfloat16 weights, each sum (+ bias) rounded to bfloat16,
    which is what kernels._native does around specviz_gemm_bf16 op by op: the same bits, inside one call. */
@@ -950,44 +955,46 @@ void specviz_gemm512_widened(const void *x, const void *w, const float *b, void 
    the kernels above), in bfloat16 the layer-by-layer path's bits (the same functions in the same order); in
    float32 see above. What it saves is the per-operation cost of the path above it: a dozen Python calls and ATen
    operations a layer, a few microseconds each, thirty layers a forward. The EAGLE head's one layer takes it too.
-   x: [rows, C] (rows = B t), updated in place. dims: layers, B, t, C, H, KV, D, I (the MLP's width), capacity,
-   kv_len, the mask's strides (batch, query, slot), the slots' row stride (rope_store's dims[6]), 1 for float32
-   (else bfloat16), and whether the row-by-row steps share their rows among threads (specviz_rms_bf16's `share`).
-   weights: per layer norm1, norm2, then for qkv, o, gate_up and down each the product's function, its packed weight
-   and its bias (float32 or NULL). caches: per layer keys, values ([B, KV, capacity, D]). cos, sin: [B, t, D]; mask:
-   1 = the query sees the slot; silu: the bfloat16 table (bfloat16 only); scale: the attention's, as the
-   layer-by-layer path passes it; scratch: rows (2 C + (H + 2 KV) D + 2 H D + 3 I) numbers of the model's dtype for
-   the intermediate results. */
-void specviz_layers(void *x, const int64_t *dims, void *const *weights, void *const *caches, const void *cos,
-                    const void *sin, const int64_t *slots, const uint8_t *mask, const uint16_t *silu, void *scratch,
-                    float eps, float scale)
+   x: [rows, C] (rows = B t), updated in place. dims, layers: specviz_abi.h (the structures' fields say what
+   they hold); caches: per layer keys, values ([B, KV, capacity, D]). cos, sin: [B, t, D]; mask: 1 = the query
+   sees the slot; silu: the bfloat16 table (bfloat16 only); scale: the attention's, as the layer-by-layer path
+   passes it; scratch: rows (2 C + (H + 2 KV) D + 2 H D + 3 I) numbers of the model's dtype for the intermediate
+   results. Returns 0, or -1 without touching anything where dims->size is not this library's. */
+int specviz_layers(void *x, const struct specviz_layers_dims *dims, const struct specviz_layer *layers,
+                   void *const *caches, const void *cos, const void *sin, const int64_t *slots, const uint8_t *mask,
+                   const uint16_t *silu, void *scratch, float eps, float scale)
 {
-    const int64_t layers = dims[0], B = dims[1], T = dims[2], C = dims[3], H = dims[4], KV = dims[5], D = dims[6],
-                  I = dims[7], capacity = dims[8], L = dims[9], f32 = dims[14], share = dims[15], rows = B * T,
-                  width = (H + 2 * KV) * D, size = f32 ? 4 : 2;
+    if (dims->size != (int64_t)sizeof(*dims))
+        return -1;
+    const int64_t B = dims->batch, T = dims->tokens, C = dims->width, H = dims->heads, KV = dims->kv_heads,
+                  D = dims->head_dim, I = dims->inter, capacity = dims->capacity, f32 = dims->f32,
+                  share = dims->share, rows = B * T, width = (H + 2 * KV) * D, size = f32 ? 4 : 2;
     char *h = scratch, *qkv = h + rows * C * size, *q = qkv + rows * width * size, *att = q + rows * H * D * size,
          *gu = att + rows * H * D * size, *act = gu + rows * 2 * I * size, *y = act + rows * I * size;
-    const int64_t rope_dims[8] = {B, T, H, KV, D, capacity, dims[13], share}, attend_dims[6] = {B, H, KV, T, L, D};
+    const int64_t rope_dims[8] = {B, T, H, KV, D, capacity, dims->slots_row, share},
+                  attend_dims[6] = {B, H, KV, T, dims->kv_len, D};
     /* strides: q and the output [B, t, H, D] read as [B, H, t, D]; caches [B, KV, capacity, D]; mask as given */
     const int64_t strides[15] = {T * H * D, D, H * D, KV * capacity * D, capacity * D, D, KV * capacity * D,
-                                 capacity * D, D, dims[10], dims[11], dims[12], T * H * D, D, H * D};
-    for (int64_t l = 0; l < layers; l++) {
-        void *const *w = weights + 14 * l, *k_cache = caches[2 * l], *v_cache = caches[2 * l + 1];
-#define PRODUCT(p, in, out, n, k) ((product_fn)w[2 + 3 * (p)])(in, w[3 + 3 * (p)], w[4 + 3 * (p)], out, (int)rows, \
-                                                                (int)(n), (int)(k))
-        norm(x, w[0], h, rows, C, eps, f32, share);
-        PRODUCT(0, h, qkv, width, C);
+                                 capacity * D, D, dims->mask_batch, dims->mask_query, dims->mask_slot, T * H * D, D,
+                                 H * D};
+    for (int64_t l = 0; l < dims->layers; l++) {
+        const struct specviz_layer *w = layers + l;
+        void *k_cache = caches[2 * l], *v_cache = caches[2 * l + 1];
+#define PRODUCT(p, in, out, n, k) w->p.run(in, w->p.weight, w->p.bias, out, (int)rows, (int)(n), (int)(k))
+        norm(x, w->norm1, h, rows, C, eps, f32, share);
+        PRODUCT(qkv, h, qkv, width, C);
         rope_store(qkv, cos, sin, slots, q, k_cache, v_cache, rope_dims, (int)f32);
         attend_any(q, k_cache, v_cache, mask, att, attend_dims, strides, scale, f32);
-        PRODUCT(1, att, y, C, H * D);
+        PRODUCT(o, att, y, C, H * D);
         add(x, y, rows * C, f32);
-        norm(x, w[1], h, rows, C, eps, f32, share);
-        PRODUCT(2, h, gu, 2 * I, C);
+        norm(x, w->norm2, h, rows, C, eps, f32, share);
+        PRODUCT(gate_up, h, gu, 2 * I, C);
         silu_mul(gu, silu, act, rows, I, f32, share);
-        PRODUCT(3, act, y, C, I);
+        PRODUCT(down, act, y, C, I);
         add(x, y, rows * C, f32);
 #undef PRODUCT
     }
+    return 0;
 }
 
 /* out[r] = the index of row r's largest value, x [rows, n] float32: torch.argmax's answer (the first of equal

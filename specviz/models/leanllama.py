@@ -321,34 +321,35 @@ def _vector_isa_known_good() -> bool:
 
 
 def layer_plan(rows: int, norm1: torch.Tensor, norm2: torch.Tensor, products: tuple[Linear, ...],
-               in_call: bool = False) -> tuple[list, list] | None:
-    """A Llama layer's fourteen addresses for native.layers at this row count (its norms' weights, then for each
-    of its products qkv, o, gate_up and down the C function of the path this machine's timings chose for it at
-    this row count, its packed weight and its float32 bias), with the biases they point into; or None where the
-    layer does not fit the call: a product's path has no C function for the model's dtype (kernels.KernelPath's
-    `layers`; packs on first use, as a product would), norms of another dtype, odd widths (the pair kernel takes
-    pairs of k). in_call: each product's fastest path that has a C function, not its fastest. The caller checks
-    the heads (native.attends)."""
+               in_call: bool = False) -> tuple[native.Layer, list] | None:
+    """A Llama layer's weights for native.layers at this row count (its norms' weights, then for each of its
+    products qkv, o, gate_up and down the C function of the path this machine's timings chose for it at this row
+    count, its packed weight and its float32 bias), with the biases they point into; or None where the layer does
+    not fit the call: a product's path has no C function for the model's dtype (kernels.KernelPath's `layers`;
+    packs on first use, as a product would), norms of another dtype, odd widths (the pair kernel takes pairs of
+    k). in_call: each product's fastest path that has a C function, not its fastest. The caller checks the heads
+    (native.attends)."""
     dtype = products[0].weight.dtype
     if norm1.dtype != dtype or norm2.dtype != dtype or any(lin.weight.shape[1] % 2 for lin in products):
         return None
-    pointers, biases = [norm1.data_ptr(), norm2.data_ptr()], []
+    made, biases = [], []
     for lin in products:
         name, packed = lin.path(rows, in_call)
         runs = kernels.PATHS[name].layers.get(dtype)
         if runs is None:
             return None
         biases.append(None if lin.bias is None else lin.bias.float().contiguous())
-        pointers += [native.entry(runs), packed.data_ptr(), None if biases[-1] is None else biases[-1].data_ptr()]
-    return pointers, biases
+        made.append(native.Product(native.entry(runs), packed.data_ptr(),
+                                   None if biases[-1] is None else biases[-1].data_ptr()))
+    return native.Layer(norm1.data_ptr(), norm2.data_ptr(), *made), biases
 
 
-def layers_plan(layers: list[tuple[list, list] | None]) -> ctypes.Array | None:
+def layers_plan(layers: list[tuple[native.Layer, list] | None]) -> ctypes.Array | None:
     """Layers' layer_plan answers as native.layers' weights (holding the biases they point into), or None where
     one does not fit."""
     if not layers or not all(layers):
         return None
-    plan = (ctypes.c_void_p * (14 * len(layers)))(*(p for pointers, _ in layers for p in pointers))
+    plan = (native.Layer * len(layers))(*(layer for layer, _ in layers))
     plan.holds = [held for _, held in layers]
     return plan
 

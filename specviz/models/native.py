@@ -47,12 +47,55 @@ from .cachedir import cache_root, locked
 
 SOURCE = Path(__file__).with_name("gemm_avx2.c")
 SOURCES = (SOURCE, SOURCE.with_name("gemm_blocks.c"))  # compiled into one library
-HEADERS = (SOURCE.with_name("gemm_store.h"),)  # that both include
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+HEADERS = (SOURCE.with_name("gemm_store.h"), SOURCE.with_name("specviz_abi.h"))  # that they include
+# -Wall: the tests build with -Werror as well (test_kernels); a user's compiler warning about something new is
+# no reason to lose the kernels
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Wall")
+SANITIZE = "SPECVIZ_SANITIZE"  # e.g. "undefined" or "address,undefined": the library built with those sanitizers
+ABI_VERSION = 1  # specviz_abi.h's SPECVIZ_ABI_VERSION: the structures below mirror it
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
 PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
 BUILD_TIMEOUT_S = 300  # a compile at -O3 takes seconds even on a small VM: this only stops a compiler that hangs
 _FAILED: dict[Path, str] = {}  # libraries whose compile failed in this process, with why: not compiled again
+
+
+class Product(ctypes.Structure):
+    """specviz_abi.h's struct specviz_product: a product's C function, its packed weight and float32 bias."""
+
+    _fields_ = [("run", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    """struct specviz_layer: one decoder layer's weights for `layers`."""
+
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qkv", Product), ("o", Product),
+                ("gate_up", Product), ("down", Product)]
+
+
+class LayersDims(ctypes.Structure):
+    """struct specviz_layers_dims: `layers`' sizes (size: this structure's, which the C side checks)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "size", "layers", "batch", "tokens", "width", "heads", "kv_heads", "head_dim", "inter", "capacity", "kv_len",
+        "mask_batch", "mask_query", "mask_slot", "slots_row", "f32", "share")]
+
+
+class Abi(ctypes.Structure):
+    """struct specviz_abi: what the built library says of its interface."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("version", "layers_dims", "layer", "product")]
+
+
+def check_abi(lib: ctypes.CDLL) -> None:
+    """Raise unless the library's interface is the one the structures above mirror (version and sizes)."""
+    abi = Abi()
+    lib.specviz_abi.argtypes, lib.specviz_abi.restype = [ctypes.POINTER(Abi)], None
+    lib.specviz_abi(ctypes.byref(abi))
+    want = Abi(ABI_VERSION, ctypes.sizeof(LayersDims), ctypes.sizeof(Layer), ctypes.sizeof(Product))
+    got, expected = [getattr(abi, f) for f, _ in Abi._fields_], [getattr(want, f) for f, _ in Abi._fields_]
+    if got != expected:
+        raise RuntimeError(f"the kernel library's interface (version, sizes {got}) is not the one native.py "
+                           f"mirrors ({expected}): specviz_abi.h and native.py were changed apart")
 
 
 def _compiler() -> str:
@@ -68,7 +111,15 @@ def digest() -> str:
     kernel-table lookup keys on it, and a model's first use of each row count looks the table up)."""
     # a file missing: build() says so, the paths are skipped
     source = b"".join(path.read_bytes() if path.is_file() else b"" for path in (*SOURCES, *HEADERS))
-    return hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return hashlib.sha256(source + " ".join(flags()).encode()).hexdigest()[:16]
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler's flags: FLAGS, and where SPECVIZ_SANITIZE names sanitizers, those (stopping at the first
+    report) with debug information, as the suite's sanitizer run builds it."""
+    sanitize = os.environ.get(SANITIZE, "")
+    return FLAGS + ((f"-fsanitize={sanitize}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
+                    if sanitize else ())
 
 
 def build(progress: Callable[[str], None] | None = None) -> Path:
@@ -93,7 +144,7 @@ def build(progress: Callable[[str], None] | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(dir=built.parent, prefix=built.name, suffix=".tmp")
         os.close(fd)
         try:
-            out = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+            out = subprocess.run([compiler, *flags(), *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                                  timeout=BUILD_TIMEOUT_S)
             if out.returncode:
                 _FAILED[built] = f"{Path(compiler).name} failed: {out.stderr.strip()[-300:]}"
@@ -137,6 +188,7 @@ def library() -> ctypes.CDLL:
     if why := _capability():
         raise RuntimeError(why)
     lib = ctypes.CDLL(str(build()))
+    check_abi(lib)
     for entry in (lib.specviz_gemm, lib.specviz_gemm_bf16, lib.specviz_gemm512, lib.specviz_gemm512_bf16,
                   lib.specviz_gemm_dot_bf16, lib.specviz_gemm_q4, lib.specviz_gemm_q8, lib.specviz_gemm512_q4,
                   lib.specviz_gemm512_q8):  # x, w, b, y, m, n, and k (the pair kernel: k / 2)
@@ -151,9 +203,10 @@ def library() -> ctypes.CDLL:
     lib.specviz_rope_store_bf16.restype = None
     lib.specviz_silu_mul_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3  # gate_up table act rows I share
     lib.specviz_silu_mul_bf16.restype = None
-    # x, dims, weights, caches, cos, sin, slots, mask, SiLU table, scratch, eps, scale
-    lib.specviz_layers.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] * 2
-    lib.specviz_layers.restype = None
+    # x, dims, layers, caches, cos, sin, slots, mask, SiLU table, scratch, eps, scale
+    lib.specviz_layers.argtypes = [ctypes.c_void_p, ctypes.POINTER(LayersDims), ctypes.POINTER(Layer)] + \
+        [ctypes.c_void_p] * 7 + [ctypes.c_float] * 2
+    lib.specviz_layers.restype = ctypes.c_int
     lib.specviz_gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
     lib.specviz_gemm_amx.restype = None
     lib.specviz_gemm_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
@@ -312,7 +365,7 @@ def layers(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], val
            shape: tuple[int, int, int, int], eps: float, share: bool = True) -> torch.Tensor:
     """Decoder layers in one call (gemm_avx2.c, specviz_layers): x [B, t, C] (bfloat16 or float32) -> the last
     layer's output, what leanllama.LeanLayer.forward computes layer after layer, with every product through the
-    C kernel its path runs (`weights`: 14 addresses a layer, from leanllama.LeanLlama.native_weights, which checks
+    C kernel its path runs (`weights`: a Layer a layer, from leanllama.LeanLlama.native_weights, which checks
     that the paths have one); in bfloat16 its bits, in float32 within rounding and row by row alone. keys and
     values [B, KV, capacity, D] are written at `slots` ([t] or [B, t]) as there. shape: H, KV, D, I. mask
     [B, 1, t, >= kv_len] bool; cos, sin [B, t, (1,) D] in x's dtype. share: as rms_bf16's."""
@@ -325,20 +378,23 @@ def layers(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], val
             or {cos.dtype, sin.dtype, *(c.dtype for c in keys + values)} != {x.dtype} \
             or cos.numel() != batch * t * dim \
             or any(not (c.is_contiguous() and c.shape == keys[0].shape) for c in keys + values) \
-            or keys[0].shape[:2] != (batch, kv_heads) or keys[0].shape[3] != dim or len(weights) != 14 * len(keys) \
+            or keys[0].shape[:2] != (batch, kv_heads) or keys[0].shape[3] != dim or len(weights) != len(keys) \
             or slots.dtype != torch.int64 or slots.shape not in ((t,), (batch, t)):
         raise ValueError("layers needs bfloat16 or float32 x, cos and sin [B, t, D] and contiguous caches "
-                         "[B, KV, capacity, D] alike, a bool mask and one set of weights a layer")
+                         "[B, KV, capacity, D] alike, a bool mask and one Layer of weights a layer")
     f32 = x.dtype == torch.float32
-    dims = (ctypes.c_int64 * 16)(len(keys), batch, t, width, heads, kv_heads, dim, inter, keys[0].shape[2], kv_len,
-                                 *mask.stride(), t if slots.dim() == 2 else 0, f32, share)
+    mask_batch, mask_query, mask_slot = mask.stride()
+    dims = LayersDims(ctypes.sizeof(LayersDims), len(keys), batch, t, width, heads, kv_heads, dim, inter,
+                      keys[0].shape[2], kv_len, mask_batch, mask_query, mask_slot, t if slots.dim() == 2 else 0, f32,
+                      share)
     caches = (ctypes.c_void_p * (2 * len(keys)))(*(p for k, v in zip(keys, values, strict=True)
                                                    for p in (k.data_ptr(), v.data_ptr())))
     scratch = torch.empty(batch * t * (2 * width + (heads + 2 * kv_heads) * dim + 2 * heads * dim + 3 * inter),
                           dtype=x.dtype)
-    library().specviz_layers(out.data_ptr(), dims, weights, caches, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                             mask.data_ptr(), None if f32 else silu_table().data_ptr(), scratch.data_ptr(), eps,
-                             dim ** -0.5)
+    if library().specviz_layers(out.data_ptr(), ctypes.byref(dims), weights, caches, cos.data_ptr(), sin.data_ptr(),
+                                slots.data_ptr(), mask.data_ptr(), None if f32 else silu_table().data_ptr(),
+                                scratch.data_ptr(), eps, dim ** -0.5):
+        raise RuntimeError("specviz_layers refused its dims: the library and native.py disagree on their size")
     return out
 
 
