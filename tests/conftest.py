@@ -28,11 +28,13 @@ from transformers import (
     Qwen3Config,
 )
 
-from specviz.models import kernels
+from specviz.models import kernels, native
 from specviz.models.cachedir import locked
 from specviz.models.loading import load_pair
 from specviz.tools.distill import DistillConfig, distill_eagle
 
+# tests of the library itself: a suite run with SPECVIZ_NATIVE=0 (the library switched off) skips them
+needs_native = pytest.mark.skipif(native.turned_off(), reason="SPECVIZ_NATIVE=0: the C library is switched off")
 
 def with_our_build(cache: Path) -> Path:
     """cache (a fresh SPECVIZ_CACHE for a subprocess), with specviz's C library as this run built it linked in:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PAD, scripted_meters, while_another_process_makes, with_our_build, word_id, words
+from conftest import PAD, needs_native, scripted_meters, while_another_process_makes, with_our_build, word_id, words
 
 from specviz.core.generator import Settings, generate
 from specviz.core.kvcache import KVState
@@ -392,6 +392,7 @@ print(kernels.cpu_class(), "|", pair.dtype_reason, "|", sorted(t.skipped), "|", 
 """
 
 
+@needs_native
 @pytest.mark.slow
 @pytest.mark.parametrize("cap,aten", [("AVX2", "avx2"), ("AVX512_CORE", "avx512"), ("AVX512_CORE_BF16", "avx512"),
                                       ("AVX512_CORE_AMX", "avx512")])
@@ -674,6 +675,7 @@ def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
         assert torch.equal(rms_norm(x, norm.weight, 1e-5), norm(x))
 
 
+@needs_native
 def test_our_kernel_is_skipped_without_a_compiler_and_built_once(fresh_tables, monkeypatch):
     """No C compiler: the path is skipped with the reason, and models take the others. With one, the
     library is compiled once into the cache folder and later loads find it there."""
@@ -719,6 +721,7 @@ def test_our_kernel_is_skipped_without_a_compiler_and_built_once(fresh_tables, m
     assert (fresh_tables / "runs").read_text() == "run\n"
 
 
+@needs_native
 def test_without_avx2_our_kernel_is_skipped_and_decoding_runs(pattern_dirs, tmp_path):
     """ATen capped below AVX2 (a CPU without it, as far as our kernel can tell): the path is skipped with
     the reason, float32 decodes on the others, speculative = baseline."""
@@ -1074,6 +1077,7 @@ def test_specviz_native_0_turns_the_library_off_with_a_table_of_its_own(fresh_ta
     from specviz.models import native
     from specviz.models.leanllama import Linear
 
+    monkeypatch.delenv("SPECVIZ_NATIVE", raising=False)  # the table of a run with the library on, first
     on = kernels._table_file(torch.float32)
     monkeypatch.setenv("SPECVIZ_NATIVE", "0")
     native.library.cache_clear()

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import with_our_build
+from conftest import needs_native, with_our_build
 
 from specviz.models import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@needs_native  # it prints the ways the library runs the forward
 @pytest.mark.slow
 @pytest.mark.offline_model
 @pytest.mark.parametrize("cap", ["", "AVX2"])

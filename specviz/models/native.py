@@ -1,30 +1,25 @@
-"""specviz's own float32 matrix-product kernel for AVX2 CPUs (`gemm_avx2.c`), built on first use.
+"""specviz's own C library (built on first use with the system's C compiler, loaded with ctypes).
 
-Weights are packed as float32 (the path "avx2") or rounded to bfloat16 ("avx2-bf16", for drafters:
-half the bytes, each widened back to float32 in registers), inputs and sums are float32 either way.
-A bfloat16 model's weights are packed as they are. The same file holds the kernel with AVX-512
-registers (the path "avx512": wider FMAs, the same bits), run only where ATen itself runs its
-AVX-512 kernels, and, for bfloat16 models on CPUs with AVX512-BF16, one that keeps the inputs in
-bfloat16 and multiplies pairs of them per instruction (the path "avx512-dot", `pack_pairs`; on CPUs with AMX the
-same packed weights through tiles, "amx"), and a
-bfloat16 RMSNorm (`rms_bf16`: one call where ATen runs eight small operations), bfloat16 attention
-(`attend_bf16`: a query's numbers from the keys it sees alone, so a verify row, a tree node and a batch
-row get a one-token step's bits), RoPE with the cache writes (`rope_store_bf16`), SiLU times up
-(`silu_mul_bf16`), and all of these chained over a forward's layers in one call (`layers`; float32 models too,
-with float32 versions of them; a bfloat16 model's products on the FMA kernels widen its rows to float32 there, as
-`kernels._native` does op by op); a greedy round's argmax over the vocabulary (`argmax`); and, for bfloat16
-drafters on CPUs with AVX512-VNNI, a product in 8-bit integers (the path "vnni-int8", `pack_quads`: half the
-bytes of bfloat16 weights, lossy, so the EAGLE head's products only). `gemm_blocks.c`, compiled into the same
-library, multiplies float32 rows by a GGUF model's Q4_1 / Q8_0 blocks ("q4", "q8", and "-512" in AVX-512
-registers; `pack_blocks`): the float32 model's weights bit for bit in a fifth of the bytes.
+The source, by what it does and for which instructions:
+- `gemm_avx2.c`: the float32 matrix product for AVX2 + FMA CPUs, weights packed in 16-column blocks as float32
+  ("avx2") or bfloat16 ("avx2-bf16", drafters: half the bytes, widened in registers); sums in float32.
+- `gemm_avx512.c`: the same kernel in 512-bit registers ("avx512", "avx512-bf16": the same bits), bfloat16 pairs
+  per instruction ("avx512-dot", `pack_pairs`), the same packed weights through AMX tiles ("amx"), and 8-bit
+  integers for drafters ("vnni-int8", `pack_quads`). Each compiled for its instructions function by function,
+  run only where ATen runs AVX-512 kernels.
+- `gemm_blocks.c`: float32 rows times a GGUF model's Q4_1 / Q8_0 blocks ("q4", "q8", "-512"; `pack_blocks`):
+  the float32 model's weights bit for bit in a fifth of the bytes.
+- `layer_ops.c`: a layer's other steps in one call each (RMSNorm `rms_bf16`, attention `attend_bf16` whose
+  query's numbers come from the keys it sees alone, RoPE with the cache writes `rope_store_bf16`, SiLU times up
+  `silu_mul_bf16`; float32 twins for the whole-layer call), and the vocabulary's `argmax` and `topk`.
+- `layers.c`: every decoder layer of a forward in one call (`layers`), through `specviz_abi.h`'s structures,
+  which `Layer`, `LayersDims` and `check_abi` below mirror and check.
 
-The libraries' kernels leave much of an AVX2 CPU's speed unused at the row counts a decoder
-multiplies by (1 row a step, a few a verify): on a 2-core AVX2 machine a weight streamed once per
-call in 16-column blocks ran every product of the target, at every row count a decoder uses,
-faster than oneDNN's and MKL's packed weights. It is one more path in kernels.PATHS, chosen per
-shape and row count by this machine's timings like the others, and skipped where it cannot run:
-the C source is compiled with the system's C compiler (the one inductor also uses) into the
-specviz cache folder once per machine, and loaded with ctypes.
+Why a library of our own: at the row counts a decoder multiplies by (1 row a step, a few a verify) a weight
+streamed once per call in 16-column blocks beats oneDNN's and MKL's packed weights on the CPUs measured, and a
+layer's steps in one call save the per-operation cost of a dozen ATen calls. Each kernel is one more path in
+kernels.PATHS, chosen per shape and row count by this machine's timings like the others, and skipped where it
+cannot run: no compiler, no AVX2, or SPECVIZ_NATIVE=0.
 """
 
 from __future__ import annotations
@@ -46,15 +41,18 @@ import torch
 from .cachedir import cache_root, locked
 
 SOURCE = Path(__file__).with_name("gemm_avx2.c")
-SOURCES = (SOURCE, SOURCE.with_name("gemm_blocks.c"))  # compiled into one library
-HEADERS = (SOURCE.with_name("gemm_store.h"), SOURCE.with_name("specviz_abi.h"))  # that they include
+# compiled into one library: the GEMM kernels per instruction set, on GGUF blocks, a layer's other steps, the
+# whole-layer call
+SOURCES = tuple(SOURCE.with_name(name) for name in ("gemm_avx2.c", "gemm_avx512.c", "gemm_blocks.c", "layer_ops.c",
+                                                     "layers.c"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("kernels.h", "gemm_store.h", "specviz_abi.h"))  # they include
 # -Wall: the tests build with -Werror as well (test_kernels); a user's compiler warning about something new is
 # no reason to lose the kernels
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Wall")
 SANITIZE = "SPECVIZ_SANITIZE"  # e.g. "undefined" or "address,undefined": the library built with those sanitizers
 ABI_VERSION = 1  # specviz_abi.h's SPECVIZ_ABI_VERSION: the structures below mirror it
 BLOCK = 16  # output columns per packed block (gemm_avx2.c)
-PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx2.c, GROUP)
+PAIR_GROUP = 64  # output columns per packed group of the pair kernel (gemm_avx512.c, GROUP)
 BUILD_TIMEOUT_S = 300  # a compile at -O3 takes seconds even on a small VM: this only stops a compiler that hangs
 _FAILED: dict[Path, str] = {}  # libraries whose compile failed in this process, with why: not compiled again
 
@@ -262,7 +260,7 @@ def runs_here() -> bool:
 
 def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, share: bool = True) -> torch.Tensor:
     """RMSNorm of bfloat16 rows x [..., n] with a bfloat16 weight [n], as transformers computes it (in
-    float32, rounded to bfloat16 before the weight), in one call (gemm_avx2.c, specviz_rms_bf16).
+    float32, rounded to bfloat16 before the weight), in one call (layer_ops.c, specviz_rms_bf16).
 
     share: the rows shared among threads (one row never is), as in every row-by-row function here (RoPE with the
     cache writes, SiLU times up, and those inside `layers`). Either way gives the same bits; which is faster
@@ -280,7 +278,7 @@ def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, share: bool = Tr
 
 
 def attends(heads: int, kv_heads: int, dim: int) -> bool:
-    """Whether attend_bf16 takes heads of this shape (gemm_avx2.c: MAX_DIM, MAX_REP)."""
+    """Whether attend_bf16 takes heads of this shape (layer_ops.c: MAX_DIM, MAX_REP)."""
     return dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
 
 
@@ -288,7 +286,7 @@ def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     """Attention of bfloat16 queries q [B, H, t, D] over keys and values [B, KV, L, D] (query head h reads key
     head h // (H / KV)) where mask [B, 1 or absent, t, L] (bool) is True, in float32, rounded to bfloat16 once
     at the end -> [B, H, t, D] (a view of [B, t, H, D], as the output projection reads it). A query's numbers
-    do not depend on the other queries in the call nor on where its visible keys lie (gemm_avx2.c,
+    do not depend on the other queries in the call nor on where its visible keys lie (layer_ops.c,
     specviz_attend_bf16). Any strides, but each vector of D contiguous."""
     batch, heads, t, dim = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
@@ -317,7 +315,7 @@ def rope_store_bf16(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slo
     """A layer's step after its fused projection, in one call: qkv [B, t, H + 2 KV, D] (bfloat16) -> q [B, H, t, D]
     rotated (a view of [B, t, H, D]), with k rotated and v written to the caches [B, KV, capacity, D] at `slots`
     ([t], or [B, t]: each row its own); cos, sin: [B, t, D] or [B, t, 1, D]. The bits of leanllama.rotate and
-    index_copy_ (gemm_avx2.c, specviz_rope_store_bf16). share: as rms_bf16's."""
+    index_copy_ (layer_ops.c, specviz_rope_store_bf16). share: as rms_bf16's."""
     batch, t, all_heads, dim = qkv.shape
     kv_heads = (all_heads - heads) // 2
     qkv, cos, sin, slots = qkv.contiguous(), cos.contiguous(), sin.contiguous(), slots.contiguous()
@@ -363,7 +361,7 @@ def silu_mul_bf16(gate_up: torch.Tensor, share: bool = True) -> torch.Tensor:
 def layers(x: torch.Tensor, weights: ctypes.Array, keys: list[torch.Tensor], values: list[torch.Tensor],
            cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, kv_len: int,
            shape: tuple[int, int, int, int], eps: float, share: bool = True) -> torch.Tensor:
-    """Decoder layers in one call (gemm_avx2.c, specviz_layers): x [B, t, C] (bfloat16 or float32) -> the last
+    """Decoder layers in one call (layers.c, specviz_layers): x [B, t, C] (bfloat16 or float32) -> the last
     layer's output, what leanllama.LeanLayer.forward computes layer after layer, with every product through the
     C kernel its path runs (`weights`: a Layer a layer, from leanllama.LeanLlama.native_weights, which checks
     that the paths have one); in bfloat16 its bits, in float32 within rounding and row by row alone. keys and
@@ -504,7 +502,7 @@ def bind_pairs(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def pack_quads(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] as the int8 kernel reads it (gemm_avx2.c, specviz_gemm_int8), one byte tensor: each column's
+    """A weight [N, K] as the int8 kernel reads it (gemm_avx512.c, specviz_gemm_int8), one byte tensor: each column's
     scale s = max |w| / 127 (float32) and sum of its int8 values q (int32), N padded to 64, then q = w / s rounded
     to nearest even, [ceil(N / 64), ceil(K / 4), 64, 4] (zero-padded)."""
     library()
