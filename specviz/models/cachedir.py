@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import tempfile
@@ -63,3 +64,17 @@ def locked(path: Path, progress: Callable[[str], None] | None = None) -> Iterato
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_json(path: Path, data) -> None:
+    """data as JSON at path, whole or not at all: written beside it, then moved into its place (a reader in
+    another process, or a start cut short, never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -49,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from . import contention, native
-from .cachedir import cache_root, locked
+from .cachedir import cache_root, locked, write_json
 
 ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wider verifies and drafts
 CELL_BUDGET_S = 0.025  # seconds per (shape, rows, path), evictions included; at least MIN_REPEATS repeats
@@ -393,13 +392,8 @@ class KernelTable:
         return min(whole, key=whole.get) if whole else ""
 
     def save(self) -> None:
-        path = Path(self.file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"machine": self.machine, "dtype": self.dtype, "times": self.times, "skipped": self.skipped,
-                       "busy": self.busy, "calls": self.calls}, f, indent=1)
-        os.replace(tmp, path)
+        write_json(Path(self.file), {"machine": self.machine, "dtype": self.dtype, "times": self.times,
+                                     "skipped": self.skipped, "busy": self.busy, "calls": self.calls})
 
 
 _TABLES: dict[str, KernelTable] = {}

@@ -510,19 +510,12 @@ class LeanLlama(nn.Module):
             slots = torch.arange(CALL_CONTEXT, end)
             mask = torch.ones(1, 1, at, end, dtype=torch.bool).tril(CALL_CONTEXT)
             ids = torch.zeros(1, at, dtype=torch.long)
-            answers = self.native_plans, self.shared_rows
-            held = [(d, d[at]) for d in answers if at in d]
             times = {way: [] for way in ways}
             for _ in range(CALL_REPEATS + 1):  # the first of each warms up
-                for way, (weights, shared) in ways.items():
-                    self.native_plans[at], self.shared_rows[at] = weights, shared
+                for way, run in ways.items():
                     start = time.perf_counter()
-                    self.forward(ids, slots[None], mask, slots, keys, values, end, True, False, last_only=True)
+                    self.forward(ids, slots[None], mask, slots, keys, values, end, True, False, last_only=True, way=run)
                     times[way].append(1000 * (time.perf_counter() - start))
-            for d in answers:  # the timing leaves no answer of its own
-                del d[at]
-            for d, was in held:
-                d[at] = was
             ms = {**ms, **{way: min(t[1:]) for way, t in times.items()}}
             kernels.keep_call(self.head.weight.dtype, key, at, ms)
         return {way: ms[way] for way in ways}
@@ -595,13 +588,18 @@ class LeanLlama(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], kv_len: int, packed: bool,
-                hidden: bool, last_only: bool = False, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden: bool, last_only: bool = False, keep: int = 0,
+                way: tuple[ctypes.Array | None, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions: [B, t] at cache slots `slots` [t]; mask: [B, 1, t, kv_len]. Attention
         spans slots [0, kv_len). Returns logits [B, t, V] (or [B, 1, V] for the last position only, [B, keep, V]
-        for the last `keep`) and, if asked, the last hidden state [B, t, C]."""
+        for the last `keep`) and, if asked, the last hidden state [B, t, C]. way: (the layers' weights for one C
+        call or None, whether the row-by-row C functions share their rows), to run it that way (timed_ways);
+        else the way this machine's timings chose for the row count."""
         x = self.embed(ids)  # [B, t, C]
-        weights = self.native_weights(ids.numel()) if packed and in_c(x, whole_layers=True) else None
-        share = self.shared_rows.get(ids.numel(), True)  # the C functions' rows shared among threads, as timed
+        rows, whole = ids.numel(), packed and in_c(x, whole_layers=True)
+        if way is None:  # the C functions' rows shared among threads, as timed
+            way = self.native_weights(rows) if whole else None, self.shared_rows.get(rows, True)
+        weights, share = way[0] if whole else None, way[1]
         if weights is None and not in_c(x):  # the C attention reads the boolean mask
             mask = _additive(mask, x.dtype)
         cos, sin = self.rotary(x, positions)  # [B, t, D]

@@ -54,8 +54,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -69,7 +67,7 @@ from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_
 from ..core.kvcache import KVState
 from ..core.theory import target_step_ms
 from ..models import contention, kernels
-from ..models.cachedir import cache_root, locked
+from ..models.cachedir import cache_root, locked, write_json
 from ..models.loading import ModelPair, encode_prompt
 
 MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4 (and at each tree's width)
@@ -479,11 +477,7 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
     shares.append(taken() if rounds else None)
     costs.draft_ms.pop("", None)
     costs.busy = max((b for b in shares if b is not None), default=None)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=file.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(asdict(costs), f, indent=1)
-    os.replace(tmp, file)
+    write_json(file, asdict(costs))
     if progress:
         progress(f"measured in {time.perf_counter() - started:.1f} s: c(3) = {costs.c(3):.2f}, "
                  f"one step {costs.forward_ms[1]:.1f} ms" + (
