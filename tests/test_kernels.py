@@ -1093,3 +1093,20 @@ def test_specviz_native_0_turns_the_library_off_with_a_table_of_its_own(fresh_ta
     finally:
         native.library.cache_clear()
         native.runs_here.cache_clear()
+
+
+@needs_native
+def test_a_loaded_pair_decodes_on_its_plans_and_times_nothing(pattern_dirs, fresh_tables, monkeypatch):
+    """load_pair measures what this machine's table lacks (the products, and each row class's way to run the
+    layers), so a decode's forwards, at row counts timed or not, only read their plans."""
+    from specviz.models.loading import load_pair
+
+    target, draft = pattern_dirs("llama")
+    pair = load_pair(str(target), str(draft), device="cpu", dtype=torch.float32)
+    assert LeanLlama.of(pair.target).native_plans.keys() >= set(kernels.ROWS)
+    timed = []
+    monkeypatch.setattr(kernels, "tune", lambda *a, **k: timed.append("products"))
+    monkeypatch.setattr(kernels, "keep_call", lambda *a, **k: timed.append("ways"))
+    for gamma in (3, 6):  # verifies of 4 and 7 rows: a timed class and one between two
+        generate(pair, "", Settings(gamma=gamma, max_new_tokens=12), prompt_ids=words(2, 3, 4))
+    assert not timed

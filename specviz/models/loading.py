@@ -554,6 +554,7 @@ def load_pair(
         LeanLlama.of(pair.target, keep_blocks=True)  # layer by layer where this machine's table is measured
     prepare_kernels(pair, progress, retune)
     keep_blocks(pair, progress)
+    plan_forwards(pair)
     return pair
 
 
@@ -626,6 +627,21 @@ def keep_blocks(pair: ModelPair, progress: Progress = _quiet) -> None:
             pair.head.bind(pair.target, pair.vocab_size)
         native.trim_heap()
     pair.weights = lean.weights_read()
+
+
+def plan_forwards(pair: ModelPair) -> None:
+    """On a CPU: the lean forwards' way at each row class the kernel table times (the layers in one C call or op
+    by op, their rows shared among threads or not), timed now where this machine's table lacks it, so that a
+    decode's forwards only read their plans (LeanLlama.native_weights of the target and the draft model,
+    EagleHead.native_weights)."""
+    if pair.device.type != "cpu" or native.turned_off():
+        return
+    leans = [LeanLlama.of(m) for m in (pair.target, pair.draft) if m is not None and LeanLlama.supports(m)]
+    for rows in kernels.ROWS:
+        for lean in leans:
+            lean.native_weights(rows)
+        if pair.head is not None:
+            pair.head.native_weights(rows)
 
 
 def encode_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
