@@ -1,10 +1,13 @@
 """Speculative decoding, one round at a time, for one prompt or a batch, and the plain baseline.
 
-Leviathan et al. 2023, Algorithm 1, with a KV cache on both sides. Each round:
-  1. the drafter proposes d_1..d_γ with q_1..q_γ             (drafters.py)
-  2. one target forward over [x_last, d_1..d_γ] gives p_1..p_{γ+1}
-  3. the acceptance rule keeps n of them and adds a correction or a bonus token (sampling.py)
-  4. both KV states roll back to the kept prefix                (kvcache.py)
+Leviathan et al. 2023, Algorithm 1, with a KV cache on both sides (reference.py writes it for one prompt
+and a chain in one screen; the tests hold this loop to it). Each round is five stages:
+  propose  the drafter drafts d_1..d_γ with q_1..q_γ                          (drafters.py)
+  verify   one target forward over [x_last, d_1..d_γ] gives p_1..p_{γ+1}
+  judge    the rule keeps n of them and picks a correction or a bonus token,
+           after the round's one read from the device                      (rules.py, reads.py)
+  commit   both KV states roll back to the kept prefix                     (kvcache.py)
+  record   one RoundEvent per row, with what the viewer shows               (recording.py)
 One code path serves everything: a single prompt is a batch of one, and the baseline is the
 same loop with a drafter that drafts nothing (each round one plain target step). `decode` is a
 Python generator of rounds, so a consumer renders each round as it happens and cancels between
