@@ -616,7 +616,10 @@ def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool =
                                     refused=refused)
 
 
-BLOCKS_MARGIN = 1.15  # a weight of blocks keeps to them where they take at most this times the fastest path's time
+# a weight of blocks keeps to them where they take at most this times the fastest path's time: wide enough that
+# the timings' own spread at the widest row counts (rare in decoding) does not decide whether a model takes half
+# its memory or all of it
+BLOCKS_MARGIN = 1.25
 
 
 def blocks_path(weight: torch.Tensor, rows: int, in_call: bool, chosen: str, refused: frozenset[str]) -> str:
