@@ -80,18 +80,32 @@ def test_the_table_leaves_out_a_blocks_path_for_weights_not_of_its_blocks():
     assert set(cells["1"]) == {"avx2", "q4"}
 
 
-def test_a_linear_whose_weight_a_chosen_blocks_path_refuses_takes_the_next_path(monkeypatch):
-    """A shape timed on Q4_1 weights, another weight of it that is not: its pack refuses it, the product takes
-    the next fastest path and says the same numbers."""
+def test_a_linear_whose_weight_a_chosen_blocks_path_refuses_takes_the_next_path(fresh_tables):
+    """A shape timed on Q4_1 weights, another weight of it that is not: its pack refuses it, the plan takes the
+    next fastest path and the product says the same numbers."""
     from specviz.models.leanllama import Linear
 
-    monkeypatch.setattr(kernels, "choose", lambda w, rows, lossy=False, in_call=False, refused=(): "q4"
-                        if "q4" not in refused else "avx2")
+    timed("48x64", q4=0.5, avx2=1.0)
     w = torch.randn(48, 64)
     linear = Linear(w, None)
     x = torch.randn(2, 64)
     assert torch.equal(linear(x), native.bind(native.pack(w), w, None)(x))
-    assert linear.refused == {"q4"} and linear.paths == {2: "avx2"}
+    assert linear.refused == {"q4"} and linear.paths == {2: "avx2"} and set(linear.chosen.values()) == {"avx2"}
+
+
+def test_a_linear_runs_the_plan_it_is_given_and_refuses_one_its_weight_cannot_take(fresh_tables):
+    """A plan given is the plan: every row class on it, whatever the table says; one that names a blocks path
+    for a weight not made of those blocks is refused when given, not at a forward."""
+    from specviz.models.leanllama import CLASSES, Linear
+
+    timed("48x64", q4=0.5, avx2=1.0)
+    w, x = made("q4_1", 48, 64), torch.randn(3, 64)
+    linear = Linear(w, None, plan=dict.fromkeys(CLASSES, "avx2"))
+    assert torch.equal(linear(x), native.bind(native.pack(w), w, None)(x)) and linear.paths == {3: "avx2"}
+    with pytest.raises(TypeError):
+        linear.chosen[False, (1, True)] = "q4"  # frozen: a forward only reads it
+    with pytest.raises(ValueError):
+        Linear(torch.randn(48, 64), None, plan=dict.fromkeys(CLASSES, "q4"))
 
 
 def test_the_blocks_unpack_to_the_weight_they_were_packed_from():
@@ -120,7 +134,7 @@ def test_a_weight_of_blocks_keeps_only_them_where_they_serve_every_call(fresh_ta
     before = lin(x)
     assert lin.keep_blocks() and lin.released == "q4_1"
     assert lin.weight.shape == w.shape and lin.weight.untyped_storage().nbytes() <= 4
-    assert set(lin.paths.values()) == {"q4"} and torch.equal(lin(x), before)
+    assert set(lin.chosen.values()) == {"q4"} and torch.equal(lin(x), before)
     assert torch.equal(lin.dense(), w) and not lin.released
     timed("48x64", avx2=1.0, q4=2.0)
     kept = Linear(w, None)

@@ -17,7 +17,7 @@ from conftest import PAD, needs_native, scripted_meters, while_another_process_m
 from specviz.core.generator import Settings, generate
 from specviz.core.kvcache import KVState
 from specviz.models import kernels, leanllama
-from specviz.models.leanllama import LeanLlama, Linear
+from specviz.models.leanllama import CLASSES, LeanLlama, Linear
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -274,10 +274,12 @@ def test_packing_unavailable_skips_the_path_and_decodes_the_same(pattern_pair, f
     assert after == before
 
 
-def test_row_counts_of_one_timed_class_ask_for_one_choice(monkeypatch):
+def test_a_linear_plans_each_class_of_row_counts_once_and_its_forwards_only_read_it(monkeypatch):
     """A prompt's length is a new row count for every product; rows the table answers alike (the same timed row
-    count standing for them, on the same side of the largest) take the choice made for their class without asking
-    the table again (a cost at each new prompt length, paid by whichever run came first on a prompt)."""
+    count standing for them, on the same side of the largest) are one class, and a plan asks the table once for
+    each class, alone and in native.layers' call, all at once: row counts then only read it."""
+    from specviz.models.leanllama import CLASS_ROWS
+
     asked = []
     monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: asked.append(
         (rows, in_call)) or "linear")
@@ -285,7 +287,7 @@ def test_row_counts_of_one_timed_class_ask_for_one_choice(monkeypatch):
     for rows in (6, 7, 8, 1, 20, 33, 6):
         assert lin.path(rows) == ("linear", None)
     lin.path(7, in_call=True)
-    assert asked == [(6, False), (1, False), (20, False), (7, True)]
+    assert asked == list(CLASS_ROWS) and len(lin.chosen) == len(kernels.ROWS) * 2 + 2
     assert set(lin.paths) == {6, 7, 8, 1, 20, 33} and set(lin.call_paths) == {7}
     assert kernels.row_class(6) == kernels.row_class(8) != kernels.row_class(5)
     assert kernels.row_class(17) == kernels.row_class(300) != kernels.row_class(16)
@@ -1005,11 +1007,8 @@ def test_float32_layers_in_one_call_are_within_rounding_and_row_alone(random_pai
     results = {}
     with torch.inference_mode():
         for name in runs:
-            monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False, name=name: name)
-            for lin in lean.linears():
-                lin.paths.clear()
-                lin.chosen.clear()
-                lin.products.clear()
+            for lin in lean.linears():  # every product on this path: a plan given, not a table patched
+                lin.plan(dict.fromkeys(CLASSES, name))
             lean.native_plans.clear()
             results[name] = fused = run(True, prompts, 3)
             assert 2 * 3 in lean.native_plans and all(lean.native_plans.values())
@@ -1098,15 +1097,19 @@ def test_specviz_native_0_turns_the_library_off_with_a_table_of_its_own(fresh_ta
 @needs_native
 def test_a_loaded_pair_decodes_on_its_plans_and_times_nothing(pattern_dirs, fresh_tables, monkeypatch):
     """load_pair measures what this machine's table lacks (the products, and each row class's way to run the
-    layers), so a decode's forwards, at row counts timed or not, only read their plans."""
+    layers) and plans every product's path, so a decode's forwards, at row counts timed or not, only read their
+    plans."""
     from specviz.models.loading import load_pair
 
     target, draft = pattern_dirs("llama")
     pair = load_pair(str(target), str(draft), device="cpu", dtype=torch.float32)
     assert LeanLlama.of(pair.target).native_plans.keys() >= set(kernels.ROWS)
+    assert all(lin.chosen is not None for lin in LeanLlama.of(pair.target).linears())
     timed = []
     monkeypatch.setattr(kernels, "tune", lambda *a, **k: timed.append("products"))
+    monkeypatch.setattr(kernels, "choose", lambda *a, **k: timed.append("a path"))
     monkeypatch.setattr(kernels, "keep_call", lambda *a, **k: timed.append("ways"))
     for gamma in (3, 6):  # verifies of 4 and 7 rows: a timed class and one between two
         generate(pair, "", Settings(gamma=gamma, max_new_tokens=12), prompt_ids=words(2, 3, 4))
+    generate(pair, "", Settings(gamma=2, max_new_tokens=4), prompt_ids=words(*range(20)))  # a prefill above them
     assert not timed

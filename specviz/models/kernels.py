@@ -14,8 +14,9 @@ kept. A shape timed while other programs took much of the CPU time (contention.p
 and one still timed busy is marked in the table and timed again by the next start.
 
 A path is one registry line in PATHS: how to pack a weight (once, or once per row count) and how
-to multiply by it. `Linear` (leanllama.py) asks `choose` which path to take for its rows. In bfloat16
-a product keeps to one family of row-invariant kernels (`bits`) at every row count, the family fastest
+to multiply by it. Timing is `tune`'s alone (in a load step: loading.prepare_kernels); `choose` only reads the
+table, and a `Linear` (leanllama.py) asks it once for each class of row counts, into a plan its forwards read.
+In bfloat16 a product keeps to one family of row-invariant kernels (`bits`) at every row count, the family fastest
 over them all, so a verify's rows round as the one-token steps do (greedy speculation decodes plain
 decoding's tokens bit for bit) and a batch row as its prompt alone (ONE_FAMILY says why not in float32).
 
@@ -606,13 +607,10 @@ def measured(weight: torch.Tensor) -> bool:
 
 def choose(weight: torch.Tensor, rows: int, lossy: bool = False, in_call: bool = False,
            refused: frozenset[str] = frozenset()) -> str:
-    """The path for a CPU weight multiplied by `rows` rows (tuning its shape first if need be); a lossy
-    one only for a drafter's product; in_call: the fastest that native.layers runs ("linear" if none); not one of
-    the paths `refused`."""
-    key = shape_key(weight)
-    if key not in table(weight.dtype).times:
-        tune([weight])
-    return table(weight.dtype).best(key, rows, lossy=lossy, in_call=weight.dtype if in_call else None,
+    """The path for a CPU weight multiplied by `rows` rows, as this machine's table has it ("linear" for a shape it
+    lacks: `tune` times shapes, in a load step); a lossy one only for a drafter's product; in_call: the fastest that
+    native.layers runs ("linear" if none); not one of the paths `refused`."""
+    return table(weight.dtype).best(shape_key(weight), rows, lossy=lossy, in_call=weight.dtype if in_call else None,
                                     refused=refused)
 
 

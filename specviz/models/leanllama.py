@@ -32,7 +32,7 @@ import platform
 import shutil
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -51,6 +51,23 @@ GRAPHS = 64  # compiled forwards: shapes compiled per process, all models togeth
 SPARE_SETS = 4  # compiled caches a model keeps for reuse once their runs end
 CALL_CONTEXT, CALL_REPEATS = 64, 5  # LeanLlama.timed_ways: the slots a timed forward attends over; its repeats
 ALONE = ", rows alone"  # LeanLlama.timed_ways: a way timed with the row-by-row C functions on one thread
+# a Linear's plan has a path for each row class (kernels.row_class): each timed row count and all above the largest,
+# alone and in native.layers' call; CLASS_ROWS: a row count of each, and whether in the call
+CLASS_ROWS = tuple((rows, in_call) for rows in (*kernels.ROWS, kernels.ROWS[-1] + 1) for in_call in (False, True))
+CLASSES = tuple((in_call, kernels.row_class(rows)) for rows, in_call in CLASS_ROWS)
+
+
+class Plan(dict):
+    """A Linear's path for each row class (CLASSES), made once: a forward only reads it (it refuses changes, and
+    copies whole with the model)."""
+
+    def _frozen(self, *args, **kwargs):
+        raise TypeError("a Linear's plan is made once (Linear.plan makes a new one)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _frozen
+
+    def __reduce__(self):
+        return Plan, (dict(self),)
 log = logging.getLogger("specviz")
 PROGRESS = {"progress": True}  # a log record that reports progress (shown as it happens), not a problem
 
@@ -96,63 +113,91 @@ def slot_mask(real: torch.Tensor, start: int, kv_len: int, visible: torch.Tensor
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, on CPU through the path this machine measured fastest for the shape and the
-    row count (kernels.py), weights packed for it on first use; elsewhere F.linear. `lossy`: a
+    """y = x W^T + b, on CPU through the path its plan names for the row count's class (`plan`: made once from
+    this machine's kernel table, or given), weights packed for it on first use; elsewhere F.linear. `lossy`: a
     drafter's product, which may take a lossy path (int8) where that is fastest."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lossy: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lossy: bool = False,
+                 plan: Mapping[tuple, str] | None = None):
         super().__init__()
         self.lossy = lossy
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.paths: dict[int, str] = {}  # rows -> path name, filled on first use of a row count
-        self.call_paths: dict[int, str] = {}  # rows -> the fastest path native.layers runs, where a plan asks
-        self.chosen: dict[tuple, str] = {}  # (in_call, kernels.row_class) -> the path chosen for that class
+        self.paths: dict[int, str] = {}  # rows -> path name, as the plan says, noted on first use of a row count
+        self.call_paths: dict[int, str] = {}  # rows -> the fastest path native.layers runs, where a layer plan asks
+        # (in_call, kernels.row_class) -> path, for every class (CLASSES): made once (`plan`), then only read
+        self.chosen: Plan | None = None
         self.packs: dict[tuple[str, int], torch.Tensor] = {}  # (path, rows or 0) -> packed weight
         self.products: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # rows -> the bound product
         self.refused: frozenset[str] = frozenset()  # paths whose pack refused this weight (not of their blocks)
         self.released = ""  # the blocks format whose packed copy is the only copy of the weight (keep_blocks)
+        if plan is not None:
+            self.plan(plan)
 
-    def path(self, rows: int, in_call: bool = False) -> tuple[str, torch.Tensor | None]:
-        """(path, packed weight) for a product of `rows` rows; packs on first use (not while compiling:
-        LeanLlama.compiler packs the compiled widths beforehand). in_call: the fastest path that native.layers
-        runs (for a layer plan), which may be slower alone than the one a product op by op takes."""
-        paths = self.call_paths if in_call else self.paths
-        name = paths.get(rows)
-        if name is None:
-            # rows of one class share their timings (a prompt's length is a new row count, each of its rows
-            # no new choice)
-            key = (in_call, kernels.row_class(rows))
-            name = self.chosen.get(key)
-            if torch.compiler.is_compiling():  # a row count not planned before tracing: its class's path, if packed
-                if name is None:
-                    return "linear", None
+    @torch.inference_mode()
+    def plan(self, given: Mapping[tuple, str] | None = None) -> Plan:
+        """The path of every row class (CLASSES), frozen: `given`, or this machine's fastest as its table has them
+        (the shape timed first where the table lacks it: a model loaded without load_pair's load step plans on its
+        first forward). A path whose pack refuses the weight (not made of its blocks) is left for the next fastest;
+        so the blocks are packed here, once per format (the kernels on one format read one layout). Off a CPU:
+        F.linear. A plan made already stands unless one is given."""
+        if self.chosen is not None and given is None:
+            return self.chosen
+        self.paths, self.call_paths, self.products = {}, {}, {}
+        while True:
+            if given is not None:
+                chosen = {c: given[c] for c in CLASSES}
+            elif self.weight.device.type != "cpu":
+                chosen = dict.fromkeys(CLASSES, "linear")
             else:
-                if name is None:
-                    refused = {"refused": self.refused} if self.refused else {}
-                    name = self.chosen[key] = kernels.choose(self.weight, rows, self.lossy, in_call, **refused) \
-                        if self.weight.device.type == "cpu" else "linear"
-                paths[rows] = name
+                if kernels.shape_key(self.weight) not in kernels.table(self.weight.dtype).times:
+                    kernels.tune([self.weight])
+                refused = {"refused": self.refused} if self.refused else {}
+                chosen = {(in_call, kernels.row_class(rows)): kernels.choose(self.weight, rows, self.lossy, in_call,
+                                                                             **refused) for rows, in_call in CLASS_ROWS}
+            try:
+                for name in {n for n in chosen.values() if kernels.PATHS[n].blocks}:
+                    self._pack(name, 0)
+            except ValueError:  # a weight not made of the path's blocks, of a shape timed on one that is
+                if given is not None:
+                    raise
+                self.refused |= {name}
+                continue
+            self.chosen = Plan(chosen)
+            return self.chosen
+
+    def _pack(self, name: str, rows: int) -> torch.Tensor | None:
+        """The weight packed for a path (rows: 0, or the row count of a path that packs per row count), packed now
+        where it is not yet; blocks paths of one format share one packed copy."""
         kind = kernels.PATHS[name]
-        key = (name, rows if kind.per_rows else 0)
+        key = (name, rows)
         packed = self.packs.get(key)
-        if packed is None and kind.blocks:  # the kernels on one format of blocks read one layout: one copy
+        if packed is None and kind.blocks:
             packed = next((p for (n, _), p in self.packs.items() if kernels.PATHS[n].blocks == kind.blocks), None)
             if packed is not None and not torch.compiler.is_compiling():
                 self.packs[key] = packed
-        if packed is None and name != "linear":
-            if torch.compiler.is_compiling():
+        if packed is None and name != "linear" and not torch.compiler.is_compiling():
+            with torch.inference_mode():
+                packed = self.packs[key] = kind.pack(self.weight, rows)
+        return packed
+
+    def path(self, rows: int, in_call: bool = False) -> tuple[str, torch.Tensor | None]:
+        """(path, packed weight) for a product of `rows` rows, as the plan has it for their class (rows of one class
+        share their timings: a prompt's length is a new row count, but no new choice); packs on first use (not
+        while compiling: LeanLlama.compiler packs the compiled widths beforehand). in_call: the fastest path that
+        native.layers runs (for a layer plan), which may be slower alone than the one a product op by op takes."""
+        if self.chosen is None:
+            if torch.compiler.is_compiling():  # planned before tracing, or F.linear
                 return "linear", None
-            try:
-                with torch.inference_mode():
-                    packed = self.packs[key] = kind.pack(self.weight, rows)
-            except ValueError:  # a weight not made of the path's blocks, of a shape timed on one that is
-                if not kind.blocks:
-                    raise
-                self.refused |= {name}
-                self.paths, self.call_paths, self.chosen = {}, {}, {}
-                return self.path(rows, in_call)
-        return name, packed
+            self.plan()
+        paths = self.call_paths if in_call else self.paths
+        name = paths.get(rows)
+        if name is None:
+            name = self.chosen[in_call, kernels.row_class(rows)]
+            if not torch.compiler.is_compiling():
+                paths[rows] = name
+        packed = self._pack(name, rows if kernels.PATHS[name].per_rows else 0)
+        return ("linear", None) if packed is None and name != "linear" else (name, packed)
 
     def keep_blocks(self) -> bool:
         """Let the float32 weight go where the file's blocks can serve every call: every row class's path, alone
@@ -160,15 +205,14 @@ class Linear(nn.Module):
         about as fast). The packed blocks are then its only copy, a fifth of its bytes, and the weight a stand-in
         of its shape (dense() makes it again). Whether it let go."""
         if not self.released and self.weight.device.type == "cpu":
-            classes = [(rows, in_call) for rows in (*kernels.ROWS, kernels.ROWS[-1] + 1) for in_call in (False, True)]
-            kept = {c: kernels.blocks_path(self.weight, *c, self.path(*c)[0], self.refused) for c in classes}
+            plan = self.plan()
+            kept = {(in_call, kernels.row_class(rows)): kernels.blocks_path(
+                self.weight, rows, in_call, plan[in_call, kernels.row_class(rows)], self.refused)
+                for rows, in_call in CLASS_ROWS}
             formats = {kernels.PATHS[name].blocks for name in kept.values()}
             if len(formats) == 1 and "" not in formats:
-                self.chosen = {(in_call, kernels.row_class(rows)): name for (rows, in_call), name in kept.items()}
-                self.paths, self.call_paths, self.products = {}, {}, {}
                 self.packs = {key: p for key, p in self.packs.items() if kernels.PATHS[key[0]].blocks}
-                for c in classes:
-                    self.path(*c)
+                self.plan(kept)
                 self.released = formats.pop()
                 self.weight = nn.Parameter(self.weight.new_zeros(()).expand(self.weight.shape), requires_grad=False)
         return bool(self.released)

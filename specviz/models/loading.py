@@ -630,11 +630,16 @@ def keep_blocks(pair: ModelPair, progress: Progress = _quiet) -> None:
 
 
 def plan_forwards(pair: ModelPair) -> None:
-    """On a CPU: the lean forwards' way at each row class the kernel table times (the layers in one C call or op
-    by op, their rows shared among threads or not), timed now where this machine's table lacks it, so that a
-    decode's forwards only read their plans (LeanLlama.native_weights of the target and the draft model,
+    """On a CPU: each product's path at every row class (Linear.plan, from the table prepare_kernels completed),
+    and the lean forwards' way at each row class the kernel table times (the layers in one C call or op by op,
+    their rows shared among threads or not), timed now where this machine's table lacks it, so that a decode's
+    forwards only read their plans (LeanLlama.native_weights of the target and the draft model,
     EagleHead.native_weights)."""
-    if pair.device.type != "cpu" or native.turned_off():
+    if pair.device.type != "cpu":
+        return
+    for lin in lean_linears(pair):
+        lin.plan()
+    if native.turned_off():
         return
     leans = [LeanLlama.of(m) for m in (pair.target, pair.draft) if m is not None and LeanLlama.supports(m)]
     for rows in kernels.ROWS:
