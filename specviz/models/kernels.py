@@ -14,8 +14,9 @@ kept. A shape timed while other programs took much of the CPU time (contention.p
 and one still timed busy is marked in the table and timed again by the next start.
 
 A path is one registry line in PATHS: how to pack a weight (once, or once per row count) and how
-to multiply by it. Timing is `tune`'s alone (in a load step: loading.prepare_kernels); `choose` only reads the
-table, and a `Linear` (leanllama.py) asks it once for each class of row counts, into a plan its forwards read.
+to multiply by it. Timing is `tune`'s alone (in load_pair's load step, loading.prepare_kernels; for a model loaded
+without it, in a Linear's first plan); `choose` only reads the table, and a `Linear` (leanllama.py) asks it once
+for each class of row counts, into a plan its forwards read.
 In bfloat16 a product keeps to one family of row-invariant kernels (`bits`) at every row count, the family fastest
 over them all, so a verify's rows round as the one-token steps do (greedy speculation decodes plain
 decoding's tokens bit for bit) and a batch row as its prompt alone (ONE_FAMILY says why not in float32).
