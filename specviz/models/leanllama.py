@@ -68,6 +68,8 @@ class Plan(dict):
 
     def __reduce__(self):
         return Plan, (dict(self),)
+
+
 log = logging.getLogger("specviz")
 PROGRESS = {"progress": True}  # a log record that reports progress (shown as it happens), not a problem
 
