@@ -7,7 +7,7 @@ import pytest
 from conftest import scripted_meters, while_another_process_makes
 
 from specviz.core.generator import Settings
-from specviz.models import contention
+from specviz.models import contention, kernels
 from specviz.tools import costs
 from specviz.tools.costs import Choice, Costs, describe, expected_speedup, note, rank
 
@@ -200,7 +200,7 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
     assert costs._missing(set(), [("eagle", (3, 2, 4), False), ("eagle", (2, 1, 0), False),
                                   ("eagle", (3, 3, 5), False), ("eagle", (3, 2, 4), True)]) \
         == "rounds of eagle; eagle trees 3x2:4, 3x3:5; sampled eagle trees 3x2:4"
-    assert list((tmp_path / "costs").glob("*.json"))
+    assert list(kernels.profile().read()["rounds"])  # kept in the machine's profile
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("a second start must read the stored costs")
@@ -212,12 +212,12 @@ def test_costs_are_measured_once_then_read_from_the_cache(pattern_pair, tmp_path
     assert costs.first_run(pair, {}) == (None, None)  # a preset with no measured τ keeps its own defaults
 
     # a second process that starts while the first measures waits for it, then reads its costs
-    file = next((tmp_path / "costs").glob("*.json"))
-    stored = file.read_bytes()
-    file.unlink()
+    profile = kernels.profile()
+    stored = profile.file.read_bytes()
+    profile.update({"rounds": dict.fromkeys(profile.read()["rounds"])})  # None: dropped
     (waited, read), said = while_another_process_makes(
-        file, lambda progress: costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}, progress),
-        lambda: file.write_bytes(stored))
+        profile.file, lambda progress: costs.first_run(pair, {"model": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}}, progress),
+        lambda: profile.file.write_bytes(stored))
     assert (waited, read) == (choice, measured) and not any("measuring" in m for m in said)
 
 
@@ -340,7 +340,7 @@ def test_each_calibration_decode_is_put_at_the_pace_the_forwards_were_timed_at(t
     monkeypatch.setattr(costs, "_one_step", lambda pair, compiled: lambda: 20.0)
     monkeypatch.setattr(costs, "_round_costs", lambda *args: (2.0, 1.0))
     monkeypatch.setattr(costs, "_quietest_forwards", lambda *a: pytest.fail("the forwards are known"))
-    got = costs._measure(NS(tokenizer=None), ["eagle"], [("eagle", (3, 2, 4), False)], False, tmp_path / "c.json",
+    got = costs._measure(NS(tokenizer=None), ["eagle"], [("eagle", (3, 2, 4), False)], False,
                          None, c)
     assert (got.draft_ms, got.overhead_ms) == ({"eagle": 1.0}, {"": 0.5, "eagle": 0.5})
     assert got.tree_ms == {costs.tree_key("eagle", (3, 2, 4)): 1.5}
@@ -421,8 +421,7 @@ def test_costs_timed_on_a_busy_machine_are_timed_again_and_said_to_be(pattern_pa
     assert "Timed while" not in costs.describe(choice, quiet)
 
     # busy at every attempt: the quietest of three kept, and the costs say so
-    file = next((tmp_path / "costs").glob("*.json"))
-    file.unlink()
+    kernels.profile().update({"rounds": dict.fromkeys(kernels.profile().read()["rounds"])})  # None: dropped
     contention._TIMED_HERE.clear()
     timings.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([0.6, 0.4, 0.7, 0.3]))

@@ -18,6 +18,7 @@ from specviz.core.generator import Settings, generate
 from specviz.core.kvcache import KVState
 from specviz.models import kernels, leanllama
 from specviz.models.leanllama import CLASSES, LeanLlama, Linear
+from specviz.models.loading import plan_forwards
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,12 +36,15 @@ def test_the_table_is_measured_once_stored_and_read_back(fresh_tables):
     assert kernels.table(torch.float32) is t
     assert set(t.times["96x64"]) == {str(r) for r in kernels.ROWS}
     assert "linear" in t.times["96x64"]["1"]
-    stored = json.loads(Path(t.file).read_text())
-    assert stored["machine"] == kernels.machine() and stored["times"] == t.times
+    stored = json.loads(kernels.profile().file.read_text())  # one entry a shape in the machine's profile
+    assert stored["machine"] == kernels.machine() and stored["kernels"] == {"float32|96x64": {"ms": t.times["96x64"],
+                                                                                             "busy": None}}
     kernels._TABLES.clear()  # a later start reads the file instead of measuring
     again = kernels.table(torch.float32)
     assert again is not t and again.times == t.times
-    assert kernels.table(torch.float32, retune=True).times == {}  # retune starts empty
+    said = []
+    kernels.tune([w], said.append, retune=True)  # retune times it anew
+    assert said[0] == "timing 96x64 anew" and any(m.startswith("measuring matrix-product kernels") for m in said)
 
 
 def test_a_start_stopped_while_measuring_keeps_the_shapes_it_measured(fresh_tables, monkeypatch):
@@ -87,11 +91,11 @@ def test_every_timed_sweep_reads_its_weights_from_memory(monkeypatch):
 def test_a_second_process_waits_for_the_first_and_reads_its_table(fresh_tables):
     """Two processes sharing the cache (two app starts, two test workers) measure once: while one holds
     the table's lock, the other says it waits, then reads what the first stored instead of measuring."""
-    file = kernels._table_file(torch.float32)
+    profile = kernels.profile()
     theirs = {"96x64": {"1": {"linear": 123.0}}}
     _, said = while_another_process_makes(
-        file, lambda progress: kernels.tune([torch.randn(96, 64)], progress),
-        lambda: kernels.KernelTable(kernels.machine(), "float32", theirs, {}, str(file)).save())
+        profile.file, lambda progress: kernels.tune([torch.randn(96, 64)], progress),
+        lambda: kernels.KernelTable(kernels.machine(), "float32", theirs, profile=profile).save(["96x64"]))
     assert kernels.table(torch.float32).times == theirs  # read, not measured again
     assert not any(m.startswith("measuring") for m in said)
 
@@ -119,7 +123,7 @@ def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tab
     assert any("took 60% of the CPU time specviz needed while 96x64 was timed; timing it again" in m for m in said)
 
     kernels.forget()
-    Path(t.file).unlink()
+    t.profile.file.unlink()
     timings.clear()
     contention._TIMED_HERE.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([0.6, 0.5, 0.7]))
@@ -127,7 +131,7 @@ def test_a_shape_timed_on_a_busy_machine_is_timed_again_and_said_to_be(fresh_tab
     t = kernels.table(torch.float32)
     assert len(timings) == 3 and t.times["96x64"]["1"]["linear"] == 2.0 and t.busy == {"96x64": 0.5}
     assert "timed while other programs took 50% of the CPU time specviz needed" in kernels.table_text(torch.float32)
-    assert json.loads(Path(t.file).read_text())["busy"] == {"96x64": 0.5}
+    assert t.profile.entry("kernels", "float32|96x64")["busy"] == 0.5
     monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
     kernels.tune([w])  # this process timed it: kept
     assert len(timings) == 3
@@ -232,11 +236,15 @@ def test_a_drafters_weight_keeps_one_kind_of_numbers_at_every_row_count():
     assert {t.best("8x8", r, lossy=True) for r in (1, 3, 9)} == {"linear"}
 
 
-def test_a_machine_keys_its_own_table(monkeypatch):
-    m = kernels.machine()
+def test_a_machine_keys_its_own_profile(monkeypatch):
+    m, mine = kernels.machine(), kernels.profile().file
     other = {**m, "isa": [f for f in m["isa"] if f != "avx512_bf16"] + ["x"]}
-    assert kernels._key(m, torch.float32) != kernels._key(other, torch.float32)
-    assert kernels._key(m, torch.float32) != kernels._key(m, torch.bfloat16)
+    with monkeypatch.context() as patched:
+        patched.setattr(kernels, "machine", lambda: other)
+        assert kernels.profile().file != mine and kernels.profile().machine == other
+    with monkeypatch.context() as patched:  # a changed path: a new profile too
+        patched.setattr(kernels, "registry", lambda: ["another path"])
+        assert kernels.profile().file != mine
     assert kernels.cpu_class({**m, "isa": ["avx2"], "aten_capability": "avx2", "onednn_max_isa": ""}) == "AVX2"
     assert kernels.cpu_class({**m, "isa": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "aten_capability": "avx512",
                               "onednn_max_isa": ""}) == "AMX"
@@ -261,12 +269,12 @@ def test_packing_unavailable_skips_the_path_and_decodes_the_same(pattern_pair, f
     try:
         lean = _relinked(pair)
         pair.draft.__dict__.pop("_specviz_lean", None)  # the draft model's products ask again too
-        kernels.tune([lin.weight for lin in lean.linears()], retune=True)
+        linears = lean.linears() + LeanLlama.of(pair.draft).linears()
+        kernels.tune([lin.weight for lin in linears], retune=True)
         t = kernels.table(dtype)
         assert "avx_ne_convert" in t.skipped["onednn"]
-        assert all(set(ms) == {"linear"} for by_rows in t.times.values() for ms in by_rows.values())
+        assert all(set(ms) == {"linear"} for lin in linears for ms in t.times[kernels.shape_key(lin.weight)].values())
         after = generate(pair, "", settings, prompt_ids=prompt).token_ids
-        linears = lean.linears() + LeanLlama.of(pair.draft).linears()
         assert {name for lin in linears for name in lin.paths.values()} == {"linear"}
     finally:
         pair.target.__dict__.pop("_specviz_lean", None)
@@ -356,19 +364,21 @@ def test_a_model_on_transformers_forward_is_timed_as_it_runs(pattern_dirs, fresh
     assert dtype in (torch.float32, torch.bfloat16)
     assert "transformers' forward of gpt2 (3 layers, priced from one)" in why
     cfg = AutoConfig.from_pretrained(gpt2)
-    key = next(k for k in kernels.table(torch.float32).calls if k.startswith("transformers gpt2 "))
+    key = next(k.split("|")[1] for k in kernels.profile().read()["forwards"] if "|transformers gpt2 " in k)
     for dt in (torch.float32, torch.bfloat16):  # kept, for both row counts
-        assert set(kernels.table(dt).calls[key]) == {"1", "3"}
-        assert all(set(c) == {"forward", "head"} for c in kernels.table(dt).calls[key].values())
+        assert set(kernels.forwards_of(dt, key)) == {1, 3}
+        assert all(set(c) == {"forward", "head"} for c in kernels.forwards_of(dt, key).values())
     # a later start reads them: nothing is built or timed again, and the stored numbers decide
     monkeypatch.setattr(loading.AutoModelForCausalLM, "from_config", lambda *a, **k: pytest.fail("timed again"))
     for dt, (forward, head) in ((torch.float32, (2.0, 1.0)), (torch.bfloat16, (2.5, 0.2))):
-        kernels.table(dt).calls[key] = {r: {"forward": forward, "head": head} for r in ("1", "3")}
+        for r in (1, 3):
+            kernels.keep_forward(dt, key, r, {"forward": forward, "head": head}, None)
     # one layer and its head: bf16 2.5 ms against 2.0; the model's 3 layers: 3 x 2.3 + 0.2 = 7.1 against 4.0 each
     assert loading.compare_forwards(cfg) == (torch.float32, "float32: transformers' forward of gpt2 (3 layers, priced "
                                              "from one) at 1+3 rows costs 8.0 ms against 14.2 ms in bfloat16 on this "
                                              "CPU (bfloat16 is not faster here)")
-    kernels.table(torch.bfloat16).calls[key] = {r: {"forward": 0.5, "head": 0.2} for r in ("1", "3")}
+    for r in (1, 3):
+        kernels.keep_forward(torch.bfloat16, key, r, {"forward": 0.5, "head": 0.2}, None)
     assert loading.compare_forwards(cfg)[0] == torch.bfloat16
     assert loading.choose_dtype(str(gpt2), "float32", cpu) == (torch.float32, "as asked")
     if "onednn" in kernels.unavailable(torch.bfloat16):  # no bf16 instructions: said for this forward
@@ -516,11 +526,10 @@ def test_a_lossy_path_drafts_only_and_the_output_stays_exact(eagle_pair, fresh_t
     assert ((together - x @ w.T).norm(dim=-1) / (x @ w.T).norm(dim=-1)).max() < 0.03  # close, not equal
 
     pair = eagle_pair("llama")
-    monkeypatch.setattr(kernels, "choose",
-                        lambda weight, rows, lossy=False, in_call=False: "int8" if lossy else "linear")
     head, saved = pair.head, (pair.head._lean, pair.head._lean_linears)
-    head._lean = head._lean_linears = None  # Linear modules built anew, asking the patched choice
+    head._lean = head._lean_linears = None  # Linear modules built anew, planned as given
     _relinked(pair)
+    plan_forwards(pair, lambda weight, rows, lossy, in_call: "int8" if lossy else "linear")
     try:
         prompt = words(3, 4, 5, 6, 7)
         tree = Settings(gamma=3, branch=2, nodes=4, drafter="eagle", max_new_tokens=16)
@@ -757,14 +766,17 @@ def test_speculation_decodes_the_plain_tokens_where_every_sum_is_row_invariant(r
 
     if not native.runs_here():
         pytest.skip("specviz's C functions do not run here")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: "avx2")
+    def avx2(weight, rows, lossy, in_call):
+        return "avx2"
+
     pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
-                     device="cpu", dtype=dtype)
+                     device="cpu", dtype=dtype, choose=avx2)
     torch.manual_seed(0)
     head = EagleHead(HeadConfig.for_target(pair.target, words(0, 1, 2, 5, 6), pair.vocab_size, 16))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
     pair = dataclasses.replace(pair, head=head.to(dtype).bind(pair.target, pair.vocab_size), head_name="r")
+    plan_forwards(pair, avx2)
 
     def ps(run):  # the target's p of each emitted token, in text order
         return [t.p for t in run.records()]
@@ -890,7 +902,6 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
 
     if why := kernels.unavailable(torch.bfloat16).get(path):
         pytest.skip(f"{path} does not run here: {why}")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: path)
     config = copy.deepcopy(random_pair.target.config)
     config.attention_bias = True
     torch.manual_seed(0)
@@ -915,6 +926,8 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
 
     for model in models:
         lean = LeanLlama.of(model)
+        for lin in lean.linears():
+            lin.plan(lambda weight, rows, lossy, in_call: path)
         with torch.inference_mode():
             fused, layered = run(model, True), run(model, False)
             monkeypatch.setitem(lean.shared_rows, 2 * 5, not lean.shared_rows[2 * 5])
@@ -926,11 +939,12 @@ def test_the_layers_in_one_call_give_the_layer_by_layer_bits(random_pair, fresh_
     lean.native_plans.clear()
     monkeypatch.setattr(LeanLlama, "native_weights", native_weights)
     monkeypatch.setitem(lean.layers[-1].down.paths, 2, "linear")  # its fastest path at 2 rows has no C function
-    calls = kernels.table(torch.bfloat16).calls.setdefault(lean.calls_key(), {})
     # as if timed: op by op faster, with the rows on one thread
-    calls["2"] = {"one call": 2.0, "per op": 1.5, "one call, rows alone": 2.0, "per op, rows alone": 1.0}
+    kernels.keep_forward(torch.bfloat16, lean.forwards_key(), 2,
+                         {"one call": 2.0, "per op": 1.5, "one call, rows alone": 2.0, "per op, rows alone": 1.0}, None)
     assert lean.native_weights(2) is None and lean.native_weights(10) is not None and not lean.shared_rows[2]
-    calls["2"] = {"one call": 1.0, "per op": 2.0, "one call, rows alone": 1.5, "per op, rows alone": 2.0}
+    kernels.keep_forward(torch.bfloat16, lean.forwards_key(), 2,
+                         {"one call": 1.0, "per op": 2.0, "one call, rows alone": 1.5, "per op, rows alone": 2.0}, None)
     lean.native_plans.clear()  # one call (through the path's C function) faster, the rows shared
     assert lean.native_weights(2) is not None and lean.layers[-1].down.call_paths[2] == path and lean.shared_rows[2]
 
@@ -950,15 +964,18 @@ def test_the_eagle_heads_layer_in_one_call_drafts_the_layer_by_layer_bits(random
 
     if why := kernels.unavailable(torch.bfloat16).get(path):
         pytest.skip(f"{path} does not run here: {why}")
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False: path)
+    def fixed(weight, rows, lossy, in_call):
+        return path
+
     pair = load_pair(random_pair.target.config._name_or_path, random_pair.draft.config._name_or_path,
-                     device="cpu", dtype=torch.bfloat16)
+                     device="cpu", dtype=torch.bfloat16, choose=fixed)
     torch.manual_seed(0)
     head = EagleHead(HeadConfig.for_target(pair.target, words(0, 1, 2, 5, 6), pair.vocab_size, 16))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.3)
     head = head.to(torch.bfloat16).bind(pair.target, pair.vocab_size)
     pair = dataclasses.replace(pair, head=head, head_name="r")
+    plan_forwards(pair, fixed)
     native_weights = EagleHead.native_weights
     prompts = [words(1, 2, 3, 4), words(5, 6), words(7, 0, 1, 2, 3, 4, 5)]
 
@@ -1041,20 +1058,19 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
     if "avx2" in kernels.unavailable(torch.float32):
         pytest.skip("specviz's float32 kernels do not run here")
     # the fastest path has no C function at 2 rows (ATen's), the fastest that has one is `avx2`
-    monkeypatch.setattr(kernels, "choose", lambda weight, rows, lossy=False, in_call=False:
-                        "avx2" if in_call or rows != 2 else "linear")
     model = AutoModelForCausalLM.from_pretrained(random_pair.target.config._name_or_path, dtype=torch.float32)
     lean = LeanLlama.of(model)
+    for lin in lean.linears():
+        lin.plan(lambda weight, rows, lossy, in_call: "avx2" if in_call or rows != 2 else "linear")
     timed = []
     forward = LeanLlama.forward
     monkeypatch.setattr(LeanLlama, "forward", lambda self, *a, **k: timed.append(a[0].shape) or forward(self, *a, **k))
     with torch.inference_mode():
         assert lean.native_weights(1) is not None and not timed  # every fastest path has a C function
-        other = copy.deepcopy(kernels.table(torch.float32))  # another process stores its own model's timing meanwhile
-        other.calls = {"another model": {"4": {"one call": 1.0, "per op": 2.0}}}
-        other.save()
+        theirs = {"ms": {"one call": 1.0, "per op": 2.0}, "busy": None}  # another process stores its own meanwhile
+        kernels.profile().update({"forwards": {"float32|another model|4": theirs}})
         plan = lean.native_weights(2)
-    ms = kernels.table(torch.float32).calls[lean.calls_key()]["2"]
+    ms = kernels.forward_ms(torch.float32, lean.forwards_key(), 2)
     # op by op in float32 runs no row-by-row C function: no way of it with the rows alone
     assert set(ms) == {"one call", "per op", "one call, rows alone"} and all(t > 0 for t in ms.values())
     assert (plan is not None) == (min(ms["one call"], ms["one call, rows alone"]) <= ms["per op"])
@@ -1066,24 +1082,24 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
     timed.clear()
     with torch.inference_mode():
         assert (lean.native_weights(2) is not None) == (plan is not None) and not timed
-    assert kernels.table(torch.float32).calls[lean.calls_key()]["2"] == ms
-    assert kernels.table(torch.float32).calls["another model"] == other.calls["another model"]  # kept, not overwritten
+    assert kernels.forward_ms(torch.float32, lean.forwards_key(), 2) == ms
+    assert kernels.profile().entry("forwards", "float32|another model|4") == theirs  # kept, not overwritten
 
 
-def test_specviz_native_0_turns_the_library_off_with_a_table_of_its_own(fresh_tables, monkeypatch):
+def test_specviz_native_0_turns_the_library_off_with_a_profile_of_its_own(fresh_tables, monkeypatch):
     """SPECVIZ_NATIVE=0: the library is neither built nor loaded, its paths are skipped with the reason, the
-    products take torch's paths, and the timings go in a table of their own (its machine says so)."""
+    products take torch's paths, and the timings go in a profile of their own (its machine says so)."""
     from specviz.models import native
     from specviz.models.leanllama import Linear
 
     monkeypatch.delenv("SPECVIZ_NATIVE", raising=False)  # the table of a run with the library on, first
-    on = kernels._table_file(torch.float32)
+    on = kernels.profile().file
     monkeypatch.setenv("SPECVIZ_NATIVE", "0")
     native.library.cache_clear()
     native.runs_here.cache_clear()  # both asked once a process: a process starts with the switch set or not
     try:
         assert not native.runs_here() and "SPECVIZ_NATIVE=0" in kernels.unavailable(torch.float32)["avx2"]
-        assert kernels.machine()["native"] == "off" and kernels._table_file(torch.float32) != on
+        assert kernels.machine()["native"] == "off" and kernels.profile().file != on
         w = torch.randn(32, 64)
         kernels.tune([w])
         lin, x = Linear(w, None), torch.randn(3, 64)
@@ -1108,7 +1124,7 @@ def test_a_loaded_pair_decodes_on_its_plans_and_times_nothing(pattern_dirs, fres
     timed = []
     monkeypatch.setattr(kernels, "tune", lambda *a, **k: timed.append("products"))
     monkeypatch.setattr(kernels, "choose", lambda *a, **k: timed.append("a path"))
-    monkeypatch.setattr(kernels, "keep_call", lambda *a, **k: timed.append("ways"))
+    monkeypatch.setattr(kernels, "keep_forward", lambda *a, **k: timed.append("ways"))
     for gamma in (3, 6):  # verifies of 4 and 7 rows: a timed class and one between two
         generate(pair, "", Settings(gamma=gamma, max_new_tokens=12), prompt_ids=words(2, 3, 4))
     generate(pair, "", Settings(gamma=2, max_new_tokens=4), prompt_ids=words(*range(20)))  # a prefill above them

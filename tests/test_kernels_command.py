@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import needs_native, with_our_build
 
 from specviz.models import kernels
@@ -24,28 +23,25 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     """`specviz kernels` on this CPU and capped to AVX2 (no AVX512): the machine's class, the
     table with a chosen path per row count, c(k), the drafters ranked; what the table lacked is measured
     and stored."""
-    from specviz.models.cachedir import cache_root
     from specviz.models.loading import offline_target_dir
 
-    # a cache folder of its own, so the kernels are measured here and a test never re-times the table
+    # a cache folder of its own, so the kernels are measured here and a test never re-times the profile
     # this machine's runs read (a retune under a loaded CPU would store its slow timings there); the
-    # converted model and the round costs (measured once per machine, as every other test reads them)
-    # linked in
+    # converted model linked in
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "SmolLM2-135M-Instruct").symlink_to(offline_target_dir())
-    (cache_root() / "costs").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "cache" / "costs").symlink_to(cache_root() / "costs")
     env = {**os.environ, "SPECVIZ_CACHE": str(with_our_build(tmp_path / "cache")), "PYTHONPATH": str(ROOT)}
     if cap and "avx512f" not in kernels._cpu()[1]:
         pytest.skip("this CPU has no AVX512: the uncapped run already runs the AVX2 kernels")
     if cap:
         env.update(ONEDNN_MAX_CPU_ISA=cap, ATEN_CPU_CAPABILITY=cap.lower())
-    else:  # the table other tests measured, if they have, less one shape: the command measures what it lacks
-        shared = kernels._table_file(torch.float32)
+    else:  # the profile other tests made, if they have, less one shape: the command measures what it lacks
+        shared = kernels.profile().file
         if shared.is_file():
             stored = json.loads(shared.read_text())
-            stored["times"].pop("576x576", None)
-            (tmp_path / "cache" / "kernels" / shared.name).write_text(json.dumps(stored))
+            stored["kernels"].pop("float32|576x576", None)
+            (tmp_path / "cache" / "profiles").mkdir()
+            (tmp_path / "cache" / "profiles" / shared.name).write_text(json.dumps(stored))
     command = [sys.executable, "-m", "specviz", "kernels", "--dtype", "float32", "--repeats", "1"]
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -62,5 +58,6 @@ def test_the_kernels_command_prints_the_machine_the_table_and_c_of_k(tmp_path, c
     if cap:
         assert "AVX2" in first.stdout.splitlines()[0]
     # what a later start reads: the table it stored (a later start reading it is tested in-process above)
-    table = json.loads(next((tmp_path / "cache" / "kernels").glob("float32-*.json")).read_text())
-    assert table["times"] and "read in" in first.stdout
+    profile = json.loads(next((tmp_path / "cache" / "profiles").glob("*.json")).read_text())
+    assert any(name.startswith("float32|") for name in profile["kernels"]) and profile["rounds"]
+    assert "read in" in first.stdout

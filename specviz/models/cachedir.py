@@ -1,4 +1,4 @@
-"""The specviz cache folder: converted models, compiled graphs, this machine's kernel table."""
+"""The specviz cache folder: converted models, compiled graphs, our built library, this machine's profile."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,27 +44,45 @@ def _usable(asked: Path) -> Path:
     return instead
 
 
+_HELD: dict[str, list] = {}  # lock file -> [its thread lock, how deep this process holds it]
+_GUARD = threading.Lock()
+
+
 @contextlib.contextmanager
 def locked(path: Path, progress: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on `path`.lock while making what `path` will hold (a converted model, a
-    kernel table, round costs), so that processes sharing the cache (two app starts, two test workers)
-    make it once: the second waits, then finds it stored. Callers re-read `path` once inside. Writes
-    stay atomic without the lock (a temporary file moved in place); the lock only saves the work."""
-    if fcntl is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{path}.lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if progress:
-                progress(f"waiting for another specviz process that is making {path.name}...")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
+    """Hold an exclusive lock on `path`.lock while making what `path` will hold (a converted model, this
+    machine's profile), so that processes sharing the cache (two app starts, two test workers) make it once: the
+    second waits, then finds it stored. Callers re-read `path` once inside. Writes stay atomic without the lock (a
+    temporary file moved in place); the lock only saves the work. Within a process it is held by one thread at a
+    time, and a holder may take it again (a profile's update while it times): flock would lock a process out
+    through a second open file."""
+    name = f"{path}.lock"
+    say = progress or (lambda message: None)
+    waiting = f"waiting for another specviz process that is making {path.name}..."
+    with _GUARD:
+        held = _HELD.setdefault(name, [threading.RLock(), 0])
+    if not held[0].acquire(blocking=False):  # another thread of this process holds it
+        say(waiting)
+        held[0].acquire()
+    held[1] += 1
+    try:
+        if fcntl is None or held[1] > 1:
             yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(name, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                say(waiting)
+                fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        held[1] -= 1
+        held[0].release()
 
 
 def write_json(path: Path, data) -> None:

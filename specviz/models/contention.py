@@ -1,8 +1,8 @@
 """What other processes take of the CPU time specviz's threads need, read from Linux's /proc/stat.
 
 Timings made while another program runs are slower, and unevenly so: a forward or a product that uses every
-core loses more than one that uses one. specviz keeps some timings per machine (the kernel table, kernels.py;
-a round's costs, tools/costs.py), so one taken on a busy machine would steer every later start. Both read this
+core loses more than one that uses one. specviz keeps its timings per machine (profile.py: the kernel table,
+the forwards, a round's costs), so one taken on a busy machine would steer every later start. Each reads this
 meter while they time, take a timing again while it reads above BUSY (ATTEMPTS times at most, the quietest
 kept), keep what it read, and time again at the next start what was still timed busy. Elsewhere than Linux,
 and with SPECVIZ_IGNORE_LOAD=1 (a machine that is always shared, or the test suite, whose two workers and
@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 BUSY = 0.2  # the part of the CPU time our threads needed that other processes took, above which a timing is redone
 ATTEMPTS = 3  # timings on a busy machine, the quietest kept
-_TIMED_HERE: set = set()  # what this process has timed: costs files, (kernel table, shape) pairs
+_TIMED_HERE: set = set()  # what this process has timed: (profile file, section, key)
 
 
 def took(share: float) -> str:

@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from . import contention, native
-from .cachedir import cache_root, locked, write_json
+from .cachedir import cache_root
+from .profile import Profile, entry_key
 
 ROWS = (1, 2, 3, 4, 5, 8, 16)  # rows timed: a step, verify widths of γ 1-4, wider verifies and drafts
 CELL_BUDGET_S = 0.025  # seconds per (shape, rows, path), evictions included; at least MIN_REPEATS repeats
@@ -308,9 +309,11 @@ def registry() -> list[str]:
     return [*(f"{name} {' '.join(map(str, PATHS[name].dtypes))}" for name in sorted(PATHS)), native.digest(), TIMING]
 
 
-def _key(m: dict, dtype: torch.dtype) -> str:
-    facts = json.dumps([m, str(dtype), registry()], sort_keys=True)  # a new or changed path: a new table
-    return f"{str(dtype).removeprefix('torch.')}-{hashlib.sha256(facts.encode()).hexdigest()[:16]}"
+def profile() -> Profile:
+    """This machine's profile (profile.py): one file per machine() and registry(), a new one where either changes."""
+    m = machine()
+    facts = json.dumps([m, registry()], sort_keys=True)
+    return Profile(cache_root() / "profiles" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json", m)
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -329,24 +332,20 @@ ONE_FAMILY = ("bfloat16", "float16")
 
 @dataclass
 class KernelTable:
-    """ms per call, by shape ("out x in"), rows and path; the fastest is the choice."""
+    """ms per call, by shape ("out x in"), rows and path; the fastest is the choice. Held in memory, read from and
+    saved to the profile's `kernels` and `skipped` sections for its dtype."""
 
     machine: dict
     dtype: str
     times: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # shape -> rows -> path -> ms
     skipped: dict[str, str] = field(default_factory=dict)  # path -> why this CPU cannot use it
-    file: str = ""
     busy: dict[str, float] = field(default_factory=dict)  # shape -> what other processes took while it was timed
-    # a model's layers (leanllama.LeanLlama.calls_key) -> rows (a timed row count) -> ms of its forward each way it may
-    # run (LeanLlama.timed_ways): its layers in one C call ("one call") or op by op ("per op"), either with the
-    # row-by-row C functions on one thread (", rows alone" after it); and a one-layer model on transformers' forward
-    # ("transformers ...", loading.compare_forwards) -> rows -> ms of its forward ("forward") and of its output head
-    # alone ("head")
-    calls: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    profile: Profile | None = None
 
     def settled(self, shape: str) -> bool:
         """Whether the shape's timings stand: made, and on a quiet machine (contention.py) or by this process."""
-        return shape in self.times and contention.stands(self.busy.get(shape), (self.file, shape))
+        return shape in self.times and self.profile.stands("kernels", entry_key(self.dtype, shape),
+                                                           self.busy.get(shape))
 
     def best(self, shape: str, rows: int, per_rows_ok: bool = True, lossy: bool = False,
              in_call: torch.dtype | None = None, refused: frozenset[str] = frozenset()) -> str:
@@ -393,46 +392,70 @@ class KernelTable:
         whole = {bits: sum(ts) for bits, ts in sums.items() if len(ts) == len(self.times[shape])}
         return min(whole, key=whole.get) if whole else ""
 
-    def save(self) -> None:
-        write_json(Path(self.file), {"machine": self.machine, "dtype": self.dtype, "times": self.times,
-                                     "skipped": self.skipped, "busy": self.busy, "calls": self.calls})
+    def save(self, shapes: Iterable[str] = ()) -> None:
+        """Store what was skipped and these shapes' timings in the profile."""
+        self.profile.update({"skipped": {self.dtype: {"why": self.skipped}},
+                             "kernels": {entry_key(self.dtype, s): {"ms": self.times[s], "busy": self.busy.get(s)}
+                                         for s in shapes}})
+
+    def add_stored(self) -> None:
+        """Add what the profile holds for this dtype (another process may have stored since); this process's own
+        timings win."""
+        stored = self.profile.read()
+        for name, entry in stored["kernels"].items():
+            dtype, shape = name.split("|")
+            if dtype == self.dtype and shape not in self.times:
+                self.times[shape] = entry["ms"]
+                if entry.get("busy") is not None:
+                    self.busy[shape] = entry["busy"]
+        self.skipped = self.skipped or stored["skipped"].get(self.dtype, {}).get("why", {})
 
 
-_TABLES: dict[str, KernelTable] = {}
+_TABLES: dict[tuple[str, str], KernelTable] = {}
 
 
 def forget() -> None:
-    """Drop the tables held in memory (the next `table` call reads the stored file, as a new start would)."""
+    """Drop the tables held in memory (the next `table` call reads the stored profile, as a new start would)."""
     _TABLES.clear()
 
 
-def _table_file(dtype: torch.dtype) -> Path:
-    return cache_root() / "kernels" / f"{_key(machine(), dtype)}.json"
+def table(dtype: torch.dtype) -> KernelTable:
+    """This machine's table for dtype: from memory, else from the profile (empty where it holds none)."""
+    prof = profile()
+    name = (str(prof.file), str(dtype).removeprefix("torch."))
+    if name not in _TABLES:
+        _TABLES[name] = KernelTable(prof.machine, name[1], profile=prof)
+        _TABLES[name].add_stored()
+    return _TABLES[name]
 
 
-def _stored(m: dict, file: Path) -> KernelTable | None:
-    """The table stored in file, if there is a readable one."""
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-        return KernelTable(m, data["dtype"], data["times"], data.get("skipped", {}), str(file), data.get("busy", {}),
-                           data.get("calls", {}))
-    except (ValueError, KeyError, OSError) as err:
-        log.warning("specviz: ignoring an unreadable kernel table %s (%s); measuring again", file, err)
-        return None
+def forget_forwards(dtype: torch.dtype) -> None:
+    """Drop the profile's forwards of a dtype (timed on the kernels chosen before a retune): timed again."""
+    prof, prefix = profile(), entry_key(str(dtype).removeprefix("torch."), "")
+    prof.update({"forwards": {name: None for name in prof.read()["forwards"] if name.startswith(prefix)}})
 
 
-def table(dtype: torch.dtype, retune: bool = False) -> KernelTable:
-    """This machine's table for dtype: from memory, else from the cache folder, else empty."""
-    m = machine()
-    key = _key(m, dtype)
-    if not retune and key in _TABLES:
-        return _TABLES[key]
-    file = _table_file(dtype)
-    found = None if retune else _stored(m, file)
-    _TABLES[key] = found or KernelTable(m, str(dtype).removeprefix("torch."), file=str(file))
-    return _TABLES[key]
+def forward_ms(dtype: torch.dtype, model: str, rows: int) -> dict[str, float]:
+    """ms of a model's forward of `rows` rows by way it may run, as the profile's `forwards` hold them; {} where
+    they were never timed, or were timed while other programs took much of the CPU time (timed again)."""
+    prof, name = profile(), entry_key(str(dtype).removeprefix("torch."), model, rows)
+    entry = prof.entry("forwards", name)
+    return entry["ms"] if entry and prof.stands("forwards", name, entry.get("busy")) else {}
+
+
+def forwards_of(dtype: torch.dtype, model: str) -> dict[int, dict[str, float]]:
+    """Every row count's `forward_ms` stored for a model."""
+    prefix = entry_key(str(dtype).removeprefix("torch."), model, "")
+    return {int(name[len(prefix):]): entry["ms"] for name, entry in profile().read()["forwards"].items()
+            if name.startswith(prefix)}
+
+
+def keep_forward(dtype: torch.dtype, model: str, rows: int, ms: dict[str, float], busy: float | None) -> None:
+    """Store a forward's timing by way (LeanLlama.timed_ways, loading.compare_forwards, distill.training_dtype) in
+    the profile, with what the meter read while it was timed."""
+    prof, name = profile(), entry_key(str(dtype).removeprefix("torch."), model, rows)
+    prof.timing("forwards", name)
+    prof.update({"forwards": {name: {"ms": ms, "busy": busy}}})
 
 
 def _runs_here(path: KernelPath, dtype: torch.dtype) -> str:
@@ -545,26 +568,29 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
     for dtype, shapes in by_dtype.items():
         if not retune and all(table(dtype).settled(s) for s in shapes):
             continue
-        with locked(_table_file(dtype), say):  # another process may have measured meanwhile: read what it stored
-            t = table(dtype, retune)
-            if not retune:
-                _add_stored(t)
-            missing = {s: ws for s, ws in shapes.items() if not t.settled(s)}
+        with profile().locked(say):  # another process may have measured meanwhile: read what it stored
+            t = table(dtype)
+            t.add_stored()
+            missing = {s: ws for s, ws in shapes.items() if retune or not t.settled(s)}
             if not missing:
                 continue
-            if unmetered := [s for s in missing if s in t.times and s not in t.busy]:
-                say(f"timing {', '.join(unmetered)} again: they were timed {contention.when(None)}")
-            if busy := [s for s in missing if s in t.busy]:
-                say(f"timing {', '.join(busy)} again: other programs took more than {contention.BUSY:.0%} of the "
-                    "CPU time specviz needed when they were timed")
+            if retune:
+                say(f"timing {', '.join(missing)} anew")
+            else:
+                if unmetered := [s for s in missing if s in t.times and s not in t.busy]:
+                    say(f"timing {', '.join(unmetered)} again: they were timed {contention.when(None)}")
+                if busy := [s for s in missing if s in t.busy]:
+                    say(f"timing {', '.join(busy)} again: other programs took more than {contention.BUSY:.0%} of "
+                        "the CPU time specviz needed when they were timed")
             native.prepare(say)  # a first start compiles our kernels here: said, not silent
             t.skipped = unavailable(dtype)
             paths = [p for p in PATHS.values() if p.name not in t.skipped]
             started = time.perf_counter()
-            say(f"measuring matrix-product kernels on this CPU in {t.dtype} (once; later starts read {t.file}): "
-                f"{len(missing)} shapes x {len(ROWS)} row counts x paths {', '.join(p.name for p in paths)}")
+            say(f"measuring matrix-product kernels on this CPU in {t.dtype} (once; later starts read "
+                f"{t.profile.file}): {len(missing)} shapes x {len(ROWS)} row counts x paths "
+                f"{', '.join(p.name for p in paths)}")
             for i, (shape, ws) in enumerate(missing.items(), 1):
-                contention.timing((t.file, shape))
+                t.profile.timing("kernels", entry_key(t.dtype, shape))
                 t.times[shape], share = contention.quietest(
                     functools.partial(_time_cells, [w.detach().contiguous() for w in ws[:WEIGHTS_PER_SHAPE]], paths,
                                       ROWS),
@@ -572,28 +598,10 @@ def tune(weights: Iterable[torch.Tensor], progress: Progress | None = None, retu
                 t.busy.pop(shape, None)
                 if share is not None:
                     t.busy[shape] = round(share, 3)
-                t.save()  # each shape as it is done: a start stopped part way keeps what it measured
+                t.save([shape])  # each shape as it is done: a start stopped part way keeps what it measured
                 say(f"  kernels {i}/{len(missing)}: {shape} done ({time.perf_counter() - started:.1f} s)"
                     + (f"; timed while {contention.took(share)}, so the next start times it again"
                        if share is not None and share > contention.BUSY else ""))
-
-
-def _add_stored(t: KernelTable) -> None:
-    """Add to t what another process stored in its file meanwhile (this process's own timings win)."""
-    if stored := _stored(t.machine, Path(t.file)):
-        t.times, t.busy = {**stored.times, **t.times}, {**stored.busy, **t.busy}
-        t.calls = {key: {**stored.calls.get(key, {}), **t.calls.get(key, {})} for key in {**stored.calls, **t.calls}}
-        t.skipped = t.skipped or stored.skipped
-
-
-def keep_call(dtype: torch.dtype, key: str, rows: int, ms: dict[str, float]) -> None:
-    """Store a forward's timing (leanllama.LeanLlama.timed_ways, loading.compare_forwards) in this machine's
-    table, under the file's lock and with what other processes stored meanwhile."""
-    with locked(_table_file(dtype)):
-        t = table(dtype)
-        _add_stored(t)
-        t.calls.setdefault(key, {})[str(rows)] = ms
-        t.save()
 
 
 def _again(say: Progress, shape: str, share: float) -> None:

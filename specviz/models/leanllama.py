@@ -70,6 +70,10 @@ class Plan(dict):
         return Plan, (dict(self),)
 
 
+# choose(weight, rows, lossy, in_call) -> the path of a product of `rows` rows, as kernels.choose reads this machine's
+# table: a plan made by another rule (a test's fixed paths) is given as one
+Chooser = Callable[[torch.Tensor, int, bool, bool], str]
+
 log = logging.getLogger("specviz")
 PROGRESS = {"progress": True}  # a log record that reports progress (shown as it happens), not a problem
 
@@ -120,7 +124,7 @@ class Linear(nn.Module):
     drafter's product, which may take a lossy path (int8) where that is fastest."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lossy: bool = False,
-                 plan: Mapping[tuple, str] | None = None):
+                 plan: Mapping[tuple, str] | Chooser | None = None):
         super().__init__()
         self.lossy = lossy
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
@@ -137,14 +141,18 @@ class Linear(nn.Module):
             self.plan(plan)
 
     @torch.inference_mode()
-    def plan(self, given: Mapping[tuple, str] | None = None) -> Plan:
-        """The path of every row class (CLASSES), frozen: `given`, or this machine's fastest as its table has them
+    def plan(self, given: Mapping[tuple, str] | Chooser | None = None) -> Plan:
+        """The path of every row class (CLASSES), frozen: `given` (each class's path, or a Chooser asked for each),
+        or this machine's fastest as its table has them
         (the shape timed first where the table lacks it: a model loaded without load_pair's load step plans on its
         first forward). A path whose pack refuses the weight (not made of its blocks) is left for the next fastest;
         so the blocks are packed here, once per format (the kernels on one format read one layout). Off a CPU:
         F.linear. A plan made already stands unless one is given."""
         if self.chosen is not None and given is None:
             return self.chosen
+        if callable(given):
+            given = {(in_call, kernels.row_class(rows)): given(self.weight, rows, self.lossy, in_call)
+                     for rows, in_call in CLASS_ROWS}
         self.paths, self.call_paths, self.products = {}, {}, {}
         while True:
             if given is not None:
@@ -528,8 +536,8 @@ class LeanLlama(nn.Module):
             layer.qkv, layer.o, layer.gate_up, layer.down), in_call) if fits and layer.q_norm is None else None
             for layer in self.layers])
 
-    def calls_key(self) -> str:
-        """The layers' shapes, for the kernel table's `calls`."""
+    def forwards_key(self) -> str:
+        """The layers' shapes: the model's key in the profile's `forwards`."""
         first = self.layers[0]
         return (f"{len(self.layers)} layers {first.gate_up.weight.shape[1]}x{first.down.weight.shape[1]}, "
                 f"{self.heads}/{self.kv_heads} heads of {self.head_dim}")
@@ -542,13 +550,13 @@ class LeanLlama(nn.Module):
         only in bfloat16, where those functions run: `in_c`). Timed once per machine, interleaved (the fastest of
         CALL_REPEATS after one to warm up; again while other programs take much of the CPU time: contention.py), at
         the row count whose kernel timings stand for `rows` (kernels.timed_rows), over a context of CALL_CONTEXT
-        slots, and kept in the kernel table."""
-        dtype, key, at = self.embed.weight.dtype, self.calls_key(), kernels.timed_rows(rows)
+        slots, and kept in the profile's `forwards`."""
+        dtype, key, at = self.embed.weight.dtype, self.forwards_key(), kernels.timed_rows(rows)
         ways = {"one call": (plan, True)} | ({"per op": (None, True)} if per_op else {})
         if at > 1:
             ways |= {way + ALONE: (weights, False) for way, (weights, _) in ways.items()
                      if weights is not None or dtype == torch.bfloat16}
-        ms = kernels.table(self.head.weight.dtype).calls.get(key, {}).get(str(at), {})
+        ms = kernels.forward_ms(dtype, key, at)
         if not set(ways) <= set(ms):
             end = CALL_CONTEXT + at
             like = self.embed.weight
@@ -569,8 +577,9 @@ class LeanLlama(nn.Module):
                 return {way: min(t[1:]) for way, t in times.items()}
 
             # timed again while other programs take much of the CPU time, as the products are (contention.py)
-            ms = {**ms, **contention.quietest(time_them)[0]}
-            kernels.keep_call(self.head.weight.dtype, key, at, ms)
+            timed, busy = contention.quietest(time_them)
+            ms = {**ms, **timed}
+            kernels.keep_forward(dtype, key, at, ms, busy)
         return {way: ms[way] for way in ways}
 
     def linears(self) -> list[Linear]:

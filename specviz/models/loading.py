@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from . import contention, kernels, native
 from .cachedir import cache_root, locked
 from .eagle import EagleHead, check_head_folder
-from .leanllama import LeanLlama
+from .leanllama import Chooser, LeanLlama
 
 OFFLINE_TARGET = "offline:SmolLM2-135M-Instruct"
 OFFLINE_DRAFT = "offline:SmolLM2-135M-draft"
@@ -246,7 +246,7 @@ def compare_forwards(cfg, rows: tuple[int, ...] = (1, 3), progress: Progress = _
     here. Which dtype ATen computes faster depends on the CPU and on how the architecture lays out its products
     (GPT-2's transposed Conv1D weights take a slow bfloat16 path on a CPU without bf16 instructions, F.linear's
     do not), so a model of this config with one layer and random weights is timed in both dtypes at these row
-    counts, once per machine (stored in the kernel tables' `calls`), its output head apart, and the model priced
+    counts, once per machine (stored in the profile's `forwards`), its output head apart, and the model priced
     as layers x (forward - head) + head."""
     small = copy.deepcopy(cfg)
     small.num_hidden_layers = 1
@@ -254,7 +254,7 @@ def compare_forwards(cfg, rows: tuple[int, ...] = (1, 3), progress: Progress = _
                        sort_keys=True, default=str)  # the architecture, not where it was read from
     key = f"transformers {cfg.model_type} {hashlib.sha1(shape.encode()).hexdigest()[:12]}"
     dtypes = (torch.float32, torch.bfloat16)
-    if any(str(r) not in kernels.table(dt).calls.get(key, {}) for dt in dtypes for r in rows):
+    if not all(kernels.forward_ms(dt, key, r) for dt in dtypes for r in rows):
         progress(f"timing transformers' forward of {cfg.model_type} in float32 and bfloat16 (once; one layer)...")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(small).eval()  # float32, random weights
@@ -277,13 +277,13 @@ def compare_forwards(cfg, rows: tuple[int, ...] = (1, 3), progress: Progress = _
                             times.setdefault((dt, r, "head"), []).append(1000 * (end - middle))
             return times
 
-        times, _ = contention.quietest(time_them)  # timed again while other programs take much of the CPU
+        times, busy = contention.quietest(time_them)  # timed again while other programs take much of the CPU
         for dt in dtypes:
             for r in rows:
-                kernels.keep_call(dt, key, r, {part: min(times[dt, r, part]) for part in ("forward", "head")})
+                kernels.keep_forward(dt, key, r, {part: min(times[dt, r, part]) for part in ("forward", "head")}, busy)
     ms = {}
     for dt in dtypes:
-        timed = [kernels.table(dt).calls[key][str(r)] for r in rows]
+        timed = [kernels.forward_ms(dt, key, r) for r in rows]
         ms[dt] = sum(cfg.num_hidden_layers * (c["forward"] - c["head"]) + c["head"] for c in timed)
     label = (f"transformers' forward of {cfg.model_type} ({cfg.num_hidden_layers} layers, priced from one) at "
              f"{'+'.join(map(str, rows))} rows")
@@ -507,10 +507,12 @@ def load_pair(
     progress: Progress = _quiet,
     head: str | None = None,
     retune: bool = False,
+    choose: Chooser | None = None,
 ) -> ModelPair:
     """Load and check a pair, from a preset name or from two model refs; with the preset's EAGLE
-    head or `head` (a folder) if given. On a CPU, this machine's kernel table is measured where it
-    lacks the pair's shapes (or anew, with retune)."""
+    head or `head` (a folder) if given. On a CPU, this machine's profile is measured where it
+    lacks the pair's shapes (or anew, with retune), and each product planned from it, or by `choose`
+    where given (leanllama.Chooser: fixed paths, as tests give)."""
     note = ""
     if preset is not None:
         if target or draft:
@@ -553,6 +555,9 @@ def load_pair(
     if pair.device.type == "cpu" and LeanLlama.supports(pair.target) and not retune:
         LeanLlama.of(pair.target, keep_blocks=True)  # layer by layer where this machine's table is measured
     prepare_kernels(pair, progress, retune)
+    if choose is not None:
+        for lin in lean_linears(pair):
+            lin.plan(choose)
     keep_blocks(pair, progress)
     plan_forwards(pair)
     return pair
@@ -610,8 +615,11 @@ def lean_linears(pair: ModelPair) -> list:
 
 
 def prepare_kernels(pair: ModelPair, progress: Progress = _quiet, retune: bool = False) -> None:
-    """On a CPU: measure the kernels for every shape this machine's table lacks (all, with retune)."""
+    """On a CPU: measure the kernels for every shape this machine's table lacks (all, and the forwards after them,
+    with retune)."""
     if pair.device.type == "cpu":
+        if retune:
+            kernels.forget_forwards(pair.dtype)
         kernels.tune([lin.weight for lin in lean_linears(pair) if not lin.released], progress, retune)
 
 
@@ -629,16 +637,16 @@ def keep_blocks(pair: ModelPair, progress: Progress = _quiet) -> None:
     pair.weights = lean.weights_read()
 
 
-def plan_forwards(pair: ModelPair) -> None:
-    """On a CPU: each product's path at every row class (Linear.plan, from the table prepare_kernels completed),
-    and the lean forwards' way at each row class the kernel table times (the layers in one C call or op by op,
-    their rows shared among threads or not), timed now where this machine's table lacks it, so that a decode's
-    forwards only read their plans (LeanLlama.native_weights of the target and the draft model,
+def plan_forwards(pair: ModelPair, choose: Chooser | None = None) -> None:
+    """On a CPU: each product's path at every row class (Linear.plan, from the table prepare_kernels completed, or
+    by `choose`), and the lean forwards' way at each row class the kernel table times (the layers in one C call or
+    op by op, their rows shared among threads or not), timed now where this machine's profile lacks it, so that a
+    decode's forwards only read their plans (LeanLlama.native_weights of the target and the draft model,
     EagleHead.native_weights)."""
     if pair.device.type != "cpu":
         return
     for lin in lean_linears(pair):
-        lin.plan()
+        lin.plan(choose)
     if native.turned_off():
         return
     leans = [LeanLlama.of(m) for m in (pair.target, pair.draft) if m is not None and LeanLlama.supports(m)]

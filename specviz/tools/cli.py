@@ -391,7 +391,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
     _at_least("--repeats", args.repeats, 1)
     started = time.perf_counter()
-    stored = kernels.table(torch.float32).file
+    stored = bool(kernels.table(torch.float32).times)
     pair = load_pair(preset=args.preset, device="cpu", dtype=args.dtype, retune=args.retune,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
     loaded = time.perf_counter() - started
@@ -410,7 +410,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         print(f"weights: {pair.weights}")
     for name, why in table.skipped.items():
         print(f"skipped path {name}: {why}")
-    print(f"table: {table.file} (read in {read_ms:.1f} ms; this start took {loaded:.1f} s, loading and "
+    print(f"table: {table.profile.file} (read in {read_ms:.1f} ms; this start took {loaded:.1f} s, loading and "
           f"{'measuring' if args.retune or not stored else 'reading'} included)\n")
     print(kernels.table_text(pair.dtype))
     first = encode_prompt(pair.tokenizer, "The future of AI")
@@ -466,7 +466,7 @@ def _ways_text(pair) -> str:
     from ..models.leanllama import LeanLlama
 
     lean = LeanLlama.of(pair.target)
-    timed = kernels.table(pair.dtype).calls.get(lean.calls_key(), {})
+    timed = kernels.forwards_of(pair.dtype, lean.forwards_key())
     if not timed:
         return "the target's forward: one way only here (nothing timed between ways)\n"
     ways = sorted({way for ms in timed.values() for way in ms})

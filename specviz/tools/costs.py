@@ -36,9 +36,9 @@ machine, which move it a little): it is measured on held-out prompts and kept
 in the preset (`Preset.tokens_per_round`). Every cost is measured on the machine that runs: the
 target's forward of k tokens for k = 1..MAX_WIDTH (so c(k) = verify(k) / step), and a short
 decode per drafter for its draft time per token and its round overhead. The measurement takes a
-few seconds once per machine, pair, dtype and compile mode, and is kept in the specviz cache
-beside the kernel table (kernels.py). Where no candidate reaches S > 1, `note` says so in one
-sentence, so neither the app nor the CLI leaves the viewer to discover it.
+few seconds once per machine, pair, dtype and compile mode, and is kept in the `rounds` of this
+machine's profile (models/profile.py), beside its kernel timings. Where no candidate reaches S > 1,
+`note` says so in one sentence, so neither the app nor the CLI leaves the viewer to discover it.
 
 Timed while other programs use the CPU, forwards slow down unevenly (a one-token step timed slow can price a
 5-token forward below one step). So a forward's cost is the fastest of its repeats
@@ -57,7 +57,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from statistics import median
 
 import torch
@@ -67,8 +66,8 @@ from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_
 from ..core.kvcache import KVState
 from ..core.theory import target_step_ms
 from ..models import contention, kernels
-from ..models.cachedir import cache_root, locked, write_json
 from ..models.loading import ModelPair, encode_prompt
+from ..models.profile import Profile
 
 MAX_WIDTH = 5  # forwards timed at 1..MAX_WIDTH tokens: verifies of γ <= 4 (and at each tree's width)
 CALIBRATION_PROMPT = "The future of AI"
@@ -392,10 +391,11 @@ def _pace(costs: Costs, step: Callable[[], float] | None) -> float:
     return costs.forward_ms[1] / min(step() for _ in range(PACE_REPEATS))
 
 
-def _file(pair: ModelPair, compiled: bool) -> Path:
-    facts = json.dumps([kernels.machine(), kernels.registry(), str(pair.dtype), pair.target_name, pair.draft_name,
-                        pair.head_name, compiled, TIMING], sort_keys=True)
-    return cache_root() / "costs" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+def _key(pair: ModelPair, compiled: bool) -> str:
+    """The pair's entry in the profile's `rounds`: its models, dtype, compile mode and how they are timed."""
+    facts = json.dumps([str(pair.dtype), pair.target_name, pair.draft_name, pair.head_name, compiled, TIMING],
+                       sort_keys=True)
+    return hashlib.sha256(facts.encode()).hexdigest()[:16]
 
 
 TreeRound = tuple[str, Shape, bool]  # a tree round to time: (drafter, shape, sampled)
@@ -408,46 +408,47 @@ def measure(pair: ModelPair, drafters: list[str], progress: Progress | None = No
     compiled = compile_by_default() if compiled is None else compiled
     drafters = [d for d in drafters if d not in HEAD_DRAFTERS or pair.head is not None]
     trees = [t for t in trees if t[0] in drafters]
-    file = _file(pair, compiled)
-    if not retune and _serves(costs := _stored(file), drafters, trees, file):
+    prof, key = kernels.profile(), _key(pair, compiled)
+    if not retune and _serves(costs := _stored(prof, key), drafters, trees, prof, key):
         return costs
-    with locked(file, progress):  # another process may be measuring the same: it stores, we read
-        known = None if retune else _stored(file)
-        if _serves(known, drafters, trees, file):
+    with prof.locked(progress):  # another process may be measuring the same: it stores, we read
+        known = None if retune else _stored(prof, key)
+        if _serves(known, drafters, trees, prof, key):
             return known
-        if known is not None and not contention.stands(known.busy, file):
+        if known is not None and not prof.stands("rounds", key, known.busy):
             if progress:
                 progress(f"the stored costs were timed {contention.when(known.busy)}; timing them again...")
             known = None
-        contention.timing(file)
-        return _measure(pair, drafters, trees, compiled, file, progress, known)
+        prof.timing("rounds", key)
+        costs = _measure(pair, drafters, trees, compiled, progress, known)
+        prof.update({"rounds": {key: asdict(costs)}})
+        return costs
 
 
-def _stored(file: Path) -> Costs | None:
-    """The costs stored in file, if any."""
-    if not file.is_file():
+def _stored(prof: Profile, key: str) -> Costs | None:
+    """The costs stored in the profile, if any."""
+    data = prof.entry("rounds", key)
+    if data is None:
         return None
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-        return Costs(**{**data, **{key: {int(k): v for k, v in data.get(key, {}).items()}
-                                   for key in ("forward_ms", "long_ms")}})
-    except (ValueError, KeyError, TypeError, OSError) as err:
-        log.warning("specviz: ignoring unreadable costs %s (%s); measuring again", file, err)
+        by_width = {k: {int(w): ms for w, ms in data.get(k, {}).items()} for k in ("forward_ms", "long_ms")}
+        return Costs(**{**data, **by_width})
+    except (ValueError, KeyError, TypeError) as err:
+        log.warning("specviz: ignoring unreadable costs in %s (%s); measuring again", prof.file, err)
         return None
 
 
-def _serves(costs: Costs | None, drafters: list[str], trees: list[TreeRound], file: Path) -> bool:
+def _serves(costs: Costs | None, drafters: list[str], trees: list[TreeRound], prof: Profile, key: str) -> bool:
     """Whether stored costs do: they hold every drafter and tree asked for, and were timed on a quiet machine
     (or by this process already)."""
     return costs is not None and all(d in costs.draft_ms for d in drafters) and all(
-        tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees) and contention.stands(
-        costs.busy, file)
+        tree_key(*t) in costs.tree_ms and width(t[1]) in costs.forward_ms for t in trees) and prof.stands(
+        "rounds", key, costs.busy)
 
 
-def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compiled: bool, file: Path,
+def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compiled: bool,
              progress: Progress | None, known: Costs | None = None) -> Costs:
-    """Time what `known` lacks (all, without it: the forwards, a short decode per drafter and tree), and
-    store the whole in file."""
+    """Time what `known` lacks (all, without it: the forwards, a short decode per drafter and tree)."""
     started = time.perf_counter()
     widths = {*range(1, MAX_WIDTH + 1), *(width(t[1]) for t in trees)}
     costs = known or Costs(kernels.describe_machine() if pair.device.type == "cpu" else str(pair.device),
@@ -477,7 +478,6 @@ def _measure(pair: ModelPair, drafters: list[str], trees: list[TreeRound], compi
     shares.append(taken() if rounds else None)
     costs.draft_ms.pop("", None)
     costs.busy = max((b for b in shares if b is not None), default=None)
-    write_json(file, asdict(costs))
     if progress:
         progress(f"measured in {time.perf_counter() - started:.1f} s: c(3) = {costs.c(3):.2f}, "
                  f"one step {costs.forward_ms[1]:.1f} ms" + (

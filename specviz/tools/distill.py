@@ -399,7 +399,7 @@ def training_dtype(device: torch.device, width: int, intermediate: int,
     """(dtype, why): bfloat16 autocast where training runs faster in it here, else float32. On a GPU, where it
     computes bfloat16 natively; on a CPU, measured on a step of the head's MLP product (TRAINING_ROWS rows, forward
     and backward; the fastest of TRAINING_REPEATS in each precision, interleaved), once per machine: kept in the
-    float32 kernel table's `calls`, so every later run here trains in the same precision (`specviz kernels
+    profile's float32 `forwards`, so every later run here trains in the same precision (`specviz kernels
     --retune --dtype float32` measures it again). Not the inference choice (resolve_dtype's `auto`): without bf16
     instructions our kernels make a bfloat16 decode step the faster one, while ATen's bfloat16 training products
     there take many times float32's."""
@@ -410,7 +410,7 @@ def training_dtype(device: torch.device, width: int, intermediate: int,
     if device.type != "cpu":
         return torch.float32, f"float32 on {device.type}"
     key = f"training {width}x{intermediate}"
-    ms = kernels.table(torch.float32).calls.get(key, {}).get(str(TRAINING_ROWS), {})
+    ms = kernels.forward_ms(torch.float32, key, TRAINING_ROWS)
     if set(ms) != {"float32", "bfloat16"}:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():  # the caller's random state as it was
             lin = torch.nn.Linear(width, intermediate, device=device)
@@ -423,8 +423,8 @@ def training_dtype(device: torch.device, width: int, intermediate: int,
                         times[name].append(step_ms(lin, x, name == "bfloat16"))
                 return {name: min(t[1:]) for name, t in times.items()}
 
-            ms, _ = contention.quietest(time_them)  # timed again while other programs take much of the CPU
-        kernels.keep_call(torch.float32, key, TRAINING_ROWS, ms)
+            ms, busy = contention.quietest(time_them)  # timed again while other programs take much of the CPU
+        kernels.keep_forward(torch.float32, key, TRAINING_ROWS, ms, busy)
     label = f"a {width}x{intermediate} training product costs {{:.1f}} ms against {{:.1f}} ms"
     fp32, bf16 = ms["float32"], ms["bfloat16"]
     if bf16 < kernels.BF16_MARGIN * fp32:
