@@ -119,7 +119,7 @@ def test_training_autocasts_only_where_a_measured_training_step_is_faster(fresh_
     assert training_dtype(cpu, 8, 16, step_ms=timed(10.0, 5.0)) == (
         torch.bfloat16, "bfloat16 autocast: a 8x16 training product costs 5.0 ms against 10.0 ms in float32 here")
     assert calls == [False, True] * (distill.TRAINING_REPEATS + 1)
-    assert kernels.forwards_of(torch.float32, "training 8x16") == {512: {"float32": 10.0, "bfloat16": 5.0}}
+    assert kernels.stored_forwards(torch.float32, "training 8x16") == {512: {"float32": 10.0, "bfloat16": 5.0}}
 
     def never(lin, x, bf16):
         pytest.fail("timed again")
@@ -137,7 +137,7 @@ def test_training_autocasts_only_where_a_measured_training_step_is_faster(fresh_
     monkeypatch.setattr(kernels, "compare_dtypes", lambda *a, **k: pytest.fail("asked the decode step's table"))
     dtype, why = training_dtype(cpu, 32, 64)
     assert "32x64 training product" in why and dtype in (torch.float32, torch.bfloat16)
-    assert set(kernels.forward_ms(torch.float32, "training 32x64", 512)) == {"float32", "bfloat16"}
+    assert set(kernels.stored_forward(torch.float32, "training 32x64", 512)) == {"float32", "bfloat16"}
 
 
 def test_fewer_prompts_than_asked_are_named_before_any_model_work(tmp_path):

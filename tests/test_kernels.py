@@ -366,8 +366,8 @@ def test_a_model_on_transformers_forward_is_timed_as_it_runs(pattern_dirs, fresh
     cfg = AutoConfig.from_pretrained(gpt2)
     key = next(k.split("|")[1] for k in kernels.profile().read()["forwards"] if "|transformers gpt2 " in k)
     for dt in (torch.float32, torch.bfloat16):  # kept, for both row counts
-        assert set(kernels.forwards_of(dt, key)) == {1, 3}
-        assert all(set(c) == {"forward", "head"} for c in kernels.forwards_of(dt, key).values())
+        assert set(kernels.stored_forwards(dt, key)) == {1, 3}
+        assert all(set(c) == {"forward", "head"} for c in kernels.stored_forwards(dt, key).values())
     # a later start reads them: nothing is built or timed again, and the stored numbers decide
     monkeypatch.setattr(loading.AutoModelForCausalLM, "from_config", lambda *a, **k: pytest.fail("timed again"))
     for dt, (forward, head) in ((torch.float32, (2.0, 1.0)), (torch.bfloat16, (2.5, 0.2))):
@@ -1070,7 +1070,7 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
         theirs = {"ms": {"one call": 1.0, "per op": 2.0}, "busy": None}  # another process stores its own meanwhile
         kernels.profile().update({"forwards": {"float32|another model|4": theirs}})
         plan = lean.native_weights(2)
-    ms = kernels.forward_ms(torch.float32, lean.forwards_key(), 2)
+    ms = kernels.stored_forward(torch.float32, lean.forwards_key(), 2)
     # op by op in float32 runs no row-by-row C function: no way of it with the rows alone
     assert set(ms) == {"one call", "per op", "one call, rows alone"} and all(t > 0 for t in ms.values())
     assert (plan is not None) == (min(ms["one call"], ms["one call, rows alone"]) <= ms["per op"])
@@ -1082,7 +1082,7 @@ def test_one_call_or_op_by_op_is_timed_once_per_machine_and_kept(random_pair, fr
     timed.clear()
     with torch.inference_mode():
         assert (lean.native_weights(2) is not None) == (plan is not None) and not timed
-    assert kernels.forward_ms(torch.float32, lean.forwards_key(), 2) == ms
+    assert kernels.stored_forward(torch.float32, lean.forwards_key(), 2) == ms
     assert kernels.profile().entry("forwards", "float32|another model|4") == theirs  # kept, not overwritten
 
 

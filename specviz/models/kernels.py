@@ -435,7 +435,7 @@ def forget_forwards(dtype: torch.dtype) -> None:
     prof.update({"forwards": {name: None for name in prof.read()["forwards"] if name.startswith(prefix)}})
 
 
-def forward_ms(dtype: torch.dtype, model: str, rows: int) -> dict[str, float]:
+def stored_forward(dtype: torch.dtype, model: str, rows: int) -> dict[str, float]:
     """ms of a model's forward of `rows` rows by way it may run, as the profile's `forwards` hold them; {} where
     they were never timed, or were timed while other programs took much of the CPU time (timed again)."""
     prof, name = profile(), entry_key(str(dtype).removeprefix("torch."), model, rows)
@@ -443,8 +443,8 @@ def forward_ms(dtype: torch.dtype, model: str, rows: int) -> dict[str, float]:
     return entry["ms"] if entry and prof.stands("forwards", name, entry.get("busy")) else {}
 
 
-def forwards_of(dtype: torch.dtype, model: str) -> dict[int, dict[str, float]]:
-    """Every row count's `forward_ms` stored for a model."""
+def stored_forwards(dtype: torch.dtype, model: str) -> dict[int, dict[str, float]]:
+    """Every row count's `stored_forward` for a model."""
     prefix = entry_key(str(dtype).removeprefix("torch."), model, "")
     return {int(name[len(prefix):]): entry["ms"] for name, entry in profile().read()["forwards"].items()
             if name.startswith(prefix)}

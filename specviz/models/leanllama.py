@@ -556,7 +556,7 @@ class LeanLlama(nn.Module):
         if at > 1:
             ways |= {way + ALONE: (weights, False) for way, (weights, _) in ways.items()
                      if weights is not None or dtype == torch.bfloat16}
-        ms = kernels.forward_ms(dtype, key, at)
+        ms = kernels.stored_forward(dtype, key, at)
         if not set(ways) <= set(ms):
             end = CALL_CONTEXT + at
             like = self.embed.weight

@@ -254,7 +254,7 @@ def compare_forwards(cfg, rows: tuple[int, ...] = (1, 3), progress: Progress = _
                        sort_keys=True, default=str)  # the architecture, not where it was read from
     key = f"transformers {cfg.model_type} {hashlib.sha1(shape.encode()).hexdigest()[:12]}"
     dtypes = (torch.float32, torch.bfloat16)
-    if not all(kernels.forward_ms(dt, key, r) for dt in dtypes for r in rows):
+    if not all(kernels.stored_forward(dt, key, r) for dt in dtypes for r in rows):
         progress(f"timing transformers' forward of {cfg.model_type} in float32 and bfloat16 (once; one layer)...")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(small).eval()  # float32, random weights
@@ -283,7 +283,7 @@ def compare_forwards(cfg, rows: tuple[int, ...] = (1, 3), progress: Progress = _
                 kernels.keep_forward(dt, key, r, {part: min(times[dt, r, part]) for part in ("forward", "head")}, busy)
     ms = {}
     for dt in dtypes:
-        timed = [kernels.forward_ms(dt, key, r) for r in rows]
+        timed = [kernels.stored_forward(dt, key, r) for r in rows]
         ms[dt] = sum(cfg.num_hidden_layers * (c["forward"] - c["head"]) + c["head"] for c in timed)
     label = (f"transformers' forward of {cfg.model_type} ({cfg.num_hidden_layers} layers, priced from one) at "
              f"{'+'.join(map(str, rows))} rows")

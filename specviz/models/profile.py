@@ -8,7 +8,7 @@ meter read while it was timed ("busy": contention.py; None where unmetered):
     skipped   "<dtype>"                   {"why": {path: reason}}            kernels.tune
     forwards  "<dtype>|<model>|<rows>"    {"ms": {way: ms}, "busy"}          LeanLlama.timed_ways, compare_forwards,
                                                                              distill.training_dtype
-    rounds    "<pair, dtype, compiled>"   costs.Costs's fields, "busy"       tools/costs.py
+    rounds    "<pair, device, dtype...>"  costs.Costs's fields, "busy"       tools/costs.py
 
 Kernels and forwards are timed in load_pair's load step; a round's costs after it (pricing a round runs the
 decoder, tools layer). `update` is the one writer: under the file's lock it reads the stored file again, replaces

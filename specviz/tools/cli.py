@@ -466,7 +466,7 @@ def _ways_text(pair) -> str:
     from ..models.leanllama import LeanLlama
 
     lean = LeanLlama.of(pair.target)
-    timed = kernels.forwards_of(pair.dtype, lean.forwards_key())
+    timed = kernels.stored_forwards(pair.dtype, lean.forwards_key())
     if not timed:
         return "the target's forward: one way only here (nothing timed between ways)\n"
     ways = sorted({way for ms in timed.values() for way in ms})

@@ -392,9 +392,9 @@ def _pace(costs: Costs, step: Callable[[], float] | None) -> float:
 
 
 def _key(pair: ModelPair, compiled: bool) -> str:
-    """The pair's entry in the profile's `rounds`: its models, dtype, compile mode and how they are timed."""
-    facts = json.dumps([str(pair.dtype), pair.target_name, pair.draft_name, pair.head_name, compiled, TIMING],
-                       sort_keys=True)
+    """The pair's entry in the profile's `rounds`: its models, device, dtype, compile mode and how they are timed."""
+    facts = json.dumps([str(pair.device), str(pair.dtype), pair.target_name, pair.draft_name, pair.head_name, compiled,
+                        TIMING], sort_keys=True)
     return hashlib.sha256(facts.encode()).hexdigest()[:16]
 
 

@@ -410,7 +410,7 @@ def training_dtype(device: torch.device, width: int, intermediate: int,
     if device.type != "cpu":
         return torch.float32, f"float32 on {device.type}"
     key = f"training {width}x{intermediate}"
-    ms = kernels.forward_ms(torch.float32, key, TRAINING_ROWS)
+    ms = kernels.stored_forward(torch.float32, key, TRAINING_ROWS)
     if set(ms) != {"float32", "bfloat16"}:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():  # the caller's random state as it was
             lin = torch.nn.Linear(width, intermediate, device=device)
