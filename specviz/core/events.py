@@ -47,6 +47,13 @@ MAX_NODES = 63  # a verify pass of at most 64 tokens
 MAX_TRACE_MB = 32
 
 ACCEPTED, REJECTED, UNVERIFIED = "accepted", "rejected", "unverified"
+# A round's parts, in order; each is RoundEvent.<stage>_ms, and together they are the round's wall time:
+#   draft   the drafter's proposal (a head's or draft model's steps, a lookup's search)
+#   verify  the target's forward over the last token and the drafts
+#   judge   the acceptance rule and the round's one read of p, q and what the viewer is shown
+#   record  the kept tokens committed, and the round's records made (the inspector's candidates, token texts)
+#   rest    all else between a round's start and its end (γ, the drafter told what was kept, rows that finish)
+STAGES = ("draft", "verify", "judge", "record", "rest")
 CORRECTION, BONUS, TARGET = "correction", "bonus", "target"
 
 
@@ -99,8 +106,8 @@ class RoundEvent:
     # drafted tokens kept in the text; an accepted EOS ends the text, so drafts after it are not
     # counted even where the rule accepted them (they show as "unverified")
     n_accepted: int
-    draft_ms: float  # in a batch: this row's share (the batch's time over the rows in it)
-    verify_ms: float  # likewise
+    draft_ms: float  # the stages' times (STAGES); in a batch, this row's share (the batch's time over its rows)
+    verify_ms: float  # the forward alone (traces written before judge_ms existed counted the judge here)
     target_cache_len: int  # after rollback
     draft_cache_len: int  # after rollback (0 for the baseline and for drafters without a model)
     tokens_so_far: int  # generated tokens, this round's included
@@ -110,6 +117,19 @@ class RoundEvent:
     # a tree round: each drafted node's parent (an index into drafted; -1 the last kept token), parents
     # first; empty for a chain, where d_i's parent is d_{i-1}
     parents: list[int] = field(default_factory=list)
+    judge_ms: float = 0.0
+    record_ms: float = 0.0
+    rest_ms: float = 0.0
+
+    @property
+    def stage_ms(self) -> dict[str, float]:
+        """ms of each of the round's stages (STAGES), in order."""
+        return {stage: getattr(self, f"{stage}_ms") for stage in STAGES}
+
+    @property
+    def round_ms(self) -> float:
+        """The round's wall time: its stages' sum."""
+        return sum(self.stage_ms.values())
 
     @property
     def tree(self) -> list[int]:
@@ -259,6 +279,11 @@ class Run:
     @property
     def tokens_per_s(self) -> float:
         return 1000.0 * self.n_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
+
+    def mean_stages(self) -> dict[str, float]:
+        """ms a round spends in each stage (STAGES), the mean over the run's rounds (0 each without rounds)."""
+        n = max(len(self.events), 1)
+        return {stage: sum(e.stage_ms[stage] for e in self.events) / n for stage in STAGES}
 
     @property
     def finish_reason(self) -> str | None:

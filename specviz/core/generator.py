@@ -496,38 +496,57 @@ def decode(
         meta.prefill_ms = 1000 * (time.perf_counter() - start) / len(prompts_ids)
 
     while rows.active:
-        t0 = time.perf_counter()
+        clock = Stopwatch(device)
         gammas = rows.gammas(settings, mode == "speculative")
         proposals = drafter.propose(rows.now(rows.seqs), gammas, draft_params, rows.now(rows.generators))
-        _sync(device)
-        t1, width = time.perf_counter(), max(p.tokens.shape[0] for p in proposals) + 1
+        clock.mark("draft", wait=True)
+        width = max(p.tokens.shape[0] for p in proposals) + 1
         slots = range(target.width + 1, target.width + width)  # where the verify writes the drafts
         lasts, chain = on_device([seq[-1] for seq in rows.now(rows.seqs)], device), not _any_tree(proposals)
         verify, shapes = _verify(target, proposals, lasts, pad_id(pair), drafter.requires_hidden, rule.needs_shapes)
+        clock.mark("verify")
         judged = _judge(rule, recorder, proposals, verify.logits, shapes, rows.now(rows.generators), params)
-        _sync(device)
-        t2 = time.perf_counter()
+        clock.mark("judge")  # (its read waited for the device)
         kept = _commit(pair, settings, rows, target, recorder, slots, judged)
+        clock.mark("record")
         drafter.verified([k.n for k in kept], _along(verify.hidden, [k.path for k in kept], chain))
-        out = _record(rows, judged, kept, target.trim(), drafter.cache_lens(), (t1 - t0, t2 - t1),
-                      1000 * (time.perf_counter() - start))
+        out = _record(rows, judged, kept, target.trim(), drafter.cache_lens(), clock)
         rows.drop([i for i, k in enumerate(kept) if k.finish], target, drafter)
+        clock.mark("rest")
+        for _, event in out:  # the round's end: its last stage's time, and the run's so far
+            event.rest_ms, event.elapsed_ms = clock.ms["rest"] / len(out), 1000 * (clock.last - start)
         suspended = time.perf_counter()
         yield out
         start += time.perf_counter() - suspended  # the consumer's time between rounds is not the run's
 
 
+class Stopwatch:
+    """A round's stages (events.STAGES) timed back to back from its start: `mark` ends one, so together they are
+    the round's wall time. wait: first let a GPU finish the stage's queued work (a CPU's work is done when its
+    call returns); a stage that reads from the device waits there anyway."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.last, self.ms = device, time.perf_counter(), {}
+
+    def mark(self, stage: str, wait: bool = False) -> None:
+        if wait:
+            _sync(self.device)
+        now = time.perf_counter()
+        self.ms[stage], self.last = 1000 * (now - self.last), now
+
+
 def _record(rows: Rows, judged: list[Judged], kept: list[Kept], target_lens: list[int], draft_lens: list[int],
-            seconds: tuple[float, float], elapsed_ms: float) -> list[tuple[int, RoundEvent]]:
-    """The round's event for each active row (its γ policy learns from it); seconds: (drafting, verifying) for
-    the whole batch, shared among its rows."""
-    share, out = 1000 / len(rows.active), []
+            clock: Stopwatch) -> list[tuple[int, RoundEvent]]:
+    """The round's event for each active row (its γ policy learns from it), with the stages timed so far for the
+    whole batch, shared among its rows (the caller adds the last, rest, and the time elapsed)."""
+    share, out = 1 / len(rows.active), []
     for i, (r, (prop, *_), k) in enumerate(zip(rows.active, judged, kept, strict=True)):
         event = RoundEvent(
             index=rows.rounds[r], gamma=prop.tokens.shape[0], drafted=k.tokens, extra=k.extra, n_accepted=k.n,
-            draft_ms=share * seconds[0], verify_ms=share * seconds[1], target_cache_len=target_lens[i],
+            draft_ms=share * clock.ms["draft"], verify_ms=share * clock.ms["verify"], target_cache_len=target_lens[i],
             draft_cache_len=draft_lens[i] if draft_lens else 0, tokens_so_far=rows.generated[r],
-            elapsed_ms=elapsed_ms, finish_reason=k.finish, drafted_by=prop.source, parents=list(prop.parents or []),
+            elapsed_ms=0.0, finish_reason=k.finish, drafted_by=prop.source, parents=list(prop.parents or []),
+            judge_ms=share * clock.ms["judge"], record_ms=share * clock.ms["record"],
         )
         rows.rounds[r] += 1
         rows.policies[r].observe(event)

@@ -176,6 +176,9 @@ class BenchRow:
     baseline_over_llama: float | None = None  # the same for specviz's plain decoding
     llama_lookup_tps: float | None = None
     identical_to_llama: bool | None = None  # specviz's text = llama.cpp plain's
+    # ms a round spends in each stage (events.STAGES), the median run's mean round; the baseline's, a plain step's
+    stages_ms: dict[str, float] = field(default_factory=dict)
+    baseline_stages_ms: dict[str, float] = field(default_factory=dict)
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -249,7 +252,8 @@ def _spec_row(category: str, prompt: str, settings: Settings, specs: list[Run], 
                    drafter=settings.drafter, policy=settings.gamma_policy, cache=settings.cache, seed=settings.seed,
                    tree=tree_label(settings.gamma, settings.branch, settings.nodes) if settings.branch > 1 else "",
                    depth_alpha=[sum(n >= d for n in kept) / max(1, sum(n >= d - 1 for n in kept))
-                                for d in range(1, settings.gamma + 1)])
+                                for d in range(1, settings.gamma + 1)],
+                   stages_ms=spec.mean_stages(), baseline_stages_ms=base.mean_stages())
     if hf_plain:
         row.hf_plain_tps = median(t for t, _ in hf_plain)
         row.speedup_vs_best = median(s.tokens_per_s / max(b.tokens_per_s, h)
@@ -541,6 +545,31 @@ def tree_summary(rows: list[BenchRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def stage_summary(rows: list[BenchRow]) -> str:
+    """Where a round's time goes, per (drafter, T, shape): the medians over prompts of each stage's ms in a mean
+    round (events.STAGES) beside a plain step's; a head or draft model step (drafting over the γ levels drafted)
+    and the round's work beside its forwards (judge, record, rest), each in the plain step's forwards."""
+    from ..core.events import STAGES
+
+    lines = ["| drafter | T | shape | round, ms | " + " | ".join(STAGES) + " | plain step, ms (its forward) "
+             "| a draft step / a forward | judge + record + rest / a forward | tokens a round |",
+             "|---|---|---|---|" + "---|" * len(STAGES) + "---|---|---|---|"]
+    groups: dict[tuple, list[BenchRow]] = {}
+    for r in rows:
+        if r.stages_ms and r.policy == "fixed":
+            groups.setdefault((r.drafter, r.temperature, r.tree, r.gamma), []).append(r)
+    for (drafter, t, tree, g), sel in sorted(groups.items()):
+        stage = {s: _median(r.stages_ms[s] for r in sel) for s in STAGES}
+        plain = {s: _median(r.baseline_stages_ms[s] for r in sel) for s in STAGES}
+        forward = plain["verify"]
+        beside = stage["judge"] + stage["record"] + stage["rest"]
+        lines.append(f"| {drafter} | {t:g} | {f'tree {tree}' if tree else f'chain γ = {g}'} | "
+                     f"{sum(stage.values()):.2f} | " + " | ".join(f"{stage[s]:.2f}" for s in STAGES)
+                     + f" | {sum(plain.values()):.2f} ({forward:.2f}) | {stage['draft'] / g / forward:.1%} | "
+                     f"{beside / forward:.1%} | {_median(r.tokens_per_round for r in sel):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def batch_table(batch_rows: list[BatchRow]) -> str:
     lines = ["| drafter | γ | prompts | batch tok/s | one after another tok/s | batch / sequential "
              "| same greedy text |",
@@ -663,6 +692,7 @@ def write_results(rows: list[BenchRow], env: dict, out_dir: str, command: str,
         + f"### By setting\n\n{summary_by_setting(rows)}\n"
         + (f"### Chains and trees: tokens per round, acceptance by depth, speedup\n\n{tree_summary(rows)}\n"
            if any(r.tree for r in rows) else "")
+        + (f"### Where a round's time goes\n\n{stage_summary(rows)}\n" if any(r.stages_ms for r in rows) else "")
         + f"### specviz's baseline against Hugging Face `generate`\n\n{baseline_summary(rows)}\n"
         f"### Adaptive γ against the best fixed γ\n\n{adaptive_summary(rows)}\n"
         f"### By prompt category (greedy)\n\n{category_summary(rows)}\n"

@@ -83,7 +83,8 @@ TREE_LINE = 4  # measured trees of a drafter from which their rounds are priced 
 RECORD_TOP = Settings.record_top
 # (in the stored costs' key)
 TIMING = ("forwards: the fastest of their repeats, over two contexts; a tree's drafting: its median round; "
-          f"rounds recording {RECORD_TOP} candidates a token; prefills; decodes at the forwards' pace")
+          f"rounds recording {RECORD_TOP} candidates a token, the judge in their bookkeeping; prefills; decodes at the "
+          "forwards' pace")
 log = logging.getLogger("specviz")
 Progress = Callable[[str], None]
 

@@ -57,12 +57,9 @@ def summary(run: Run) -> str:
             f"{run.tokens_per_round:.2f} tokens per round over {count(len(run.events), 'round')} ({gamma_label(run)})"
             + (f", {run.copied_rounds} of them drafted by prompt lookup" if run.copied_rounds else "")
         )
-    draft = sum(e.draft_ms for e in run.events)
-    verify = sum(e.verify_ms for e in run.events)
-    other = run.rounds_ms - draft - verify
-    step = "verifying" if run.meta.mode == "speculative" else "target steps"
-    lines.append(f"  time: prefill {run.meta.prefill_ms:.0f} ms, drafting {draft:.0f} ms, {step} {verify:.0f} ms, "
-                 f"everything else {other:.0f} ms")
+    stages = run.mean_stages()
+    lines.append(f"  time: prefill {run.meta.prefill_ms:.0f} ms; a round {sum(stages.values()):.2f} ms: "
+                 + ", ".join(f"{STAGE_NAMES[name]} {ms:.2f}" for name, ms in stages.items()))
     return "\n".join(lines)
 
 
@@ -111,6 +108,18 @@ CSS = """
 .sv-legend span { margin-right: 6px; padding: 2px 6px; display: inline-block; white-space: nowrap; }
 .sv-legend .sv-heading { padding-left: 0; }
 .sv-stats td { padding: 2px 10px 2px 0; }
+.sv-split { margin-top: 10px; max-width: 720px; }
+.sv-split-head { font-weight: 600; margin-bottom: 4px; }
+.sv-split-label { font-size: 13px; color: #444; margin-top: 4px; }
+.sv-split-bar { display: flex; height: 22px; background: #f6f6f6; border-radius: 3px; overflow: hidden; }
+.sv-stage { display: inline-block; font-size: 11px; line-height: 22px; color: #fff; overflow: hidden;
+            white-space: nowrap; text-align: center; }
+.sv-split-keys { margin-top: 6px; line-height: 2; }
+.sv-split-keys .sv-key { padding: 0 6px; border-radius: 3px; margin-right: 4px; }
+.sv-stage-draft { background: #8e44ad; } .sv-stage-verify { background: #2e86c1; }
+.sv-stage-judge { background: #d68910; } .sv-stage-record { background: #7f8c8d; }
+.sv-stage-rest { background: #c0392b; }
+.sv-projector .sv-split-label, .sv-projector .sv-split-head { font-size: 22px; }
 .sv-error { color: #922b21; background: #fdedec; padding: 8px; border-radius: 4px; }
 .sv-batch-row { border-left: 3px solid #ddd; padding: 4px 10px; margin: 8px 0; }
 .sv-batch-head { font-size: 13px; color: #555; margin-bottom: 4px; }
@@ -251,7 +260,39 @@ def stats_html(spec: Run | None, baseline: Run | None = None) -> str:
         if note:
             rows.append(("on this machine", note))
     body = "".join(f"<tr><td>{html.escape(k)}</td><td><b>{html.escape(v)}</b></td></tr>" for k, v in rows)
-    return f'<table class="sv-stats">{body}</table>'
+    return f'<table class="sv-stats">{body}</table>' + time_split_html(spec, baseline)
+
+
+STAGE_NAMES = {"draft": "draft", "verify": "verify (target forward)", "judge": "judge (rule and read)",
+               "record": "record", "rest": "the rest"}
+
+
+def time_split_html(spec: Run, baseline: Run | None = None) -> str:
+    """Where a round's time went: the run's mean round as a bar of its stages (events.STAGES), and beside it, where
+    there is a baseline, a plain step's, on one scale; each bar says what a token cost. '' without rounds."""
+    if not spec.events:
+        return ""
+    runs = [(spec, "speculative round" if spec.meta.mode == "speculative" else "plain step")]
+    if baseline is not None and baseline.events:
+        runs.append((baseline, "plain step (baseline)"))
+    widest = max(sum(run.mean_stages().values()) for run, _ in runs) or 1.0
+    bars = []
+    for run, label in runs:
+        stages = run.mean_stages()
+        total = sum(stages.values())
+        parts = "".join(
+            f'<span class="sv-stage sv-stage-{name}" data-stage="{name}" data-ms="{ms:.3f}" '
+            f'style="width:{100 * ms / widest:.2f}%" title="{STAGE_NAMES[name]}: {ms:.2f} ms">'
+            f'{name if ms / widest > 0.12 else ""}</span>' for name, ms in stages.items())
+        per_token = total * len(run.events) / run.n_tokens if run.n_tokens else total
+        bars.append(f'<div class="sv-split-row" data-run="{run.meta.mode}" data-ms="{total:.3f}">'
+                    f'<div class="sv-split-label">{label}: {total:.1f} ms, {run.tokens_per_round:.2f} tokens, '
+                    f'{per_token:.1f} ms a token</div><div class="sv-split-bar">{parts}</div></div>')
+    legend = " ".join(f'<span class="sv-stage sv-stage-{name} sv-key">{html.escape(text)}</span>'
+                      for name, text in STAGE_NAMES.items())
+    return (f'<div class="sv-split" id="sv-time-split"><div class="sv-split-head">Where a round\'s time went (mean '
+            f'of {count(len(spec.events), "round")})</div>{"".join(bars)}<div class="sv-split-keys">{legend}</div>'
+            "</div>")
 
 
 def slower_note(spec: Run, baseline: Run) -> str:
