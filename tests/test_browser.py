@@ -59,6 +59,22 @@ def test_page_shows_coloured_tokens_charts_and_hover(app_url):
         assert "p = " in title and "q = " in title and "u = " in title
         page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length >= 4", timeout=30_000)
         drawn(page, "#chart-rounds")
+        # where a round's time went: the speculative round and the plain step, each bar its stages' sum, drawn to scale
+        split = page.evaluate("""() => [...document.querySelectorAll('#sv-time-split .sv-split-row')].map(row => ({
+            run: row.dataset.run, ms: +row.dataset.ms,
+            stages: Object.fromEntries([...row.querySelectorAll('[data-stage]')]
+                                       .map(s => [s.dataset.stage, +s.dataset.ms])),
+            drawn: [...row.querySelectorAll('[data-stage]')].reduce((w, s) => w + s.getBoundingClientRect().width, 0),
+            bar: row.querySelector('.sv-split-bar').getBoundingClientRect().width}))""")
+        assert [bar["run"] for bar in split] == ["speculative", "baseline"], split
+        for bar in split:
+            assert list(bar["stages"]) == ["draft", "verify", "judge", "record", "rest"]
+            assert sum(bar["stages"].values()) == pytest.approx(bar["ms"], abs=0.01) and bar["stages"]["verify"] > 0
+        longer, shorter = sorted(split, key=lambda bar: -bar["ms"])
+        assert longer["drawn"] == pytest.approx(longer["bar"], rel=0.02)
+        assert shorter["drawn"] / longer["drawn"] == pytest.approx(shorter["ms"] / longer["ms"], rel=0.05)
+        assert split[0]["stages"]["draft"] > 0
+        assert "verify (target forward)" in page.locator("#sv-time-split").inner_text()
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOT), full_page=True)
         set_number(page, "max new tokens", "16")  # the second run is timed to its first round only

@@ -146,7 +146,13 @@ def test_when_nothing_beats_plain_decoding_the_note_says_so_and_why():
     best = rank(c, {"eagle": {(1, 1, 0): 1.5, (2, 1, 0): 1.8}})[0]
     assert best.expected < 1
     text = describe(best, c)
-    assert "no drafter and γ is expected to beat plain decoding" in text and "2.50 one-token steps" in text
+    assert "no drafter and γ is expected to beat plain decoding:" in text and "2.50 one-token steps" in text
+    barely = made_costs({1: 10.0, 2: 12.0, 3: 16.0}, {"eagle": 0.5})  # a γ = 1 round: 12.5 ms against 10 a token
+    assert note(rank(barely, {"eagle": {(1, 1, 0): 1.5}})[0], barely) == ""
+    close = rank(barely, {"eagle": {(1, 1, 0): 1.3}})[0]
+    assert 1 < close.expected < 1.05
+    said = note(close, barely)
+    assert "expected to beat plain decoding by 5%: the best, eagle at γ = 1, is expected at 1.04x" in said
 
 
 def test_a_run_of_the_machines_choice_is_told_its_expectation_part_by_part(pattern_pair):

@@ -247,12 +247,16 @@ def rank(costs: Costs, tokens_per_round: dict[str, dict[Shape, float]], sampled:
     return sorted(choices, key=lambda ch: -ch.expected)
 
 
+WORTH = 1.05  # the least expected speedup said plainly to pay: within 5 % of plain decoding, a run's noise decides
+
+
 def note(best: Choice | None, costs: Costs | None) -> str:
-    """One sentence when nothing is expected to beat plain decoding here, else ''."""
-    if best is None or costs is None or best.expected >= 1.0:
+    """One sentence when nothing is expected to beat plain decoding by WORTH here, else ''."""
+    if best is None or costs is None or best.expected >= WORTH:
         return ""
     k = width(best.shape)
-    return (f"On this machine{at(best)} no drafter and γ is expected to beat plain decoding: the best, {best.text}, "
+    beat = "beat plain decoding" if best.expected < 1 else f"beat plain decoding by {WORTH - 1:.0%}"
+    return (f"On this machine{at(best)} no drafter and γ is expected to {beat}: the best, {best.text}, "
             f"is expected at {best.expected:.2f}x, because a verify of {k} tokens costs "
             f"{costs.c(k, best.context):.2f} one-token steps of {costs.forward(1, best.context):.1f} ms here.")
 
