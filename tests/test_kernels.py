@@ -647,6 +647,44 @@ def test_the_int8_kernel_is_its_quantization_and_each_row_alone(fresh_tables):
         assert together.shape == (1, rows, n) and torch.equal(together[0], alone[:rows]), rows
 
 
+def test_the_avx2_int8_kernel_is_its_quantization_and_each_row_alone(fresh_tables):
+    """specviz's int8 kernel for float32 drafters on AVX2 (gemm_int8.c) computes what the VNNI kernel's quantization
+    defines, in float32: weights int8 per output column, each row quantized alone (to nearest even), the integer
+    sums exact (VPMADDUBSW on |u| and q with u's sign never saturates), then scaled: bitwise without a bias, within
+    float32's rounding of the fused bias with one, within int8's error of the float64 product; every row count up to
+    14, a k that is not a multiple of 4, a width that is not a multiple of 8 or 64, rows of zeros, of very different
+    sizes and of extreme bytes (|u| = 127 throughout, the largest pair sums); a row's numbers the same alone."""
+    from specviz.models import native
+
+    if why := kernels.unavailable(torch.float32).get("avx2-int8"):
+        pytest.skip(f"the int8 kernel does not run here: {why}")
+    gen = torch.Generator().manual_seed(0)
+    k, n = 75, 101
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    w[3] = w[3].sign() * w[3].abs().max()  # every q of column 3 is ±127
+    x = torch.randn(14, k, generator=gen) * torch.logspace(-3, 2, 14)[:, None]
+    x[5], x[7] = 0, -1.0  # a row of zeros; a row whose every u is -127
+    packed = kernels.PATHS["avx2-int8"].pack(w, 1)
+    assert packed.dtype == torch.uint8 and packed.numel() == 128 * 8 + 2 * 19 * 64 * 4  # header, 2 groups, 19 quads
+    product = native.bind_quads(packed, w, b, torch.float32)
+    alone = torch.cat([product(x[i : i + 1]) for i in range(14)])
+    scale = w.abs().amax(1) / 127
+    q = (w / scale[:, None]).round().clamp(-127, 127)
+    top = x.abs().amax(1)
+    up = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0)
+    u = (x * up[:, None]).round().clamp(-127, 127)
+    sums = (u.double() @ q.double().T).float()
+    plain = native.bind_quads(packed, w, None, torch.float32)(x)
+    assert torch.equal(plain, sums * (top / 127)[:, None] * scale)
+    assert torch.allclose(alone, sums * (top / 127)[:, None] * scale + b, rtol=1e-6, atol=1e-6)
+    assert torch.equal(alone[5], b)  # a row of zeros: the bias alone
+    exact = x.double() @ w.double().T
+    assert ((plain.double() - exact).norm(dim=-1) / exact.norm(dim=-1).clamp_min(1e-30)).max() < 0.03
+    for rows in range(2, 15):
+        together = product(x[:rows].view(1, rows, k))
+        assert together.shape == (1, rows, n) and torch.equal(together[0], alone[:rows]), rows
+
+
 def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
     """leanllama.rms_norm on bfloat16 rows (one C call where the library runs) against transformers'
     LlamaRMSNorm: the same roundings, so at most one bfloat16 step apart where the sum of squares, taken in

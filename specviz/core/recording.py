@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +88,10 @@ class Shown:
         return self.probs.gather(1, self._cols(ids)[:, None])[:, 0]
 
     def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids [R, k'], whether each has mass): each row's k likeliest ids (k' = min(k, N))."""
+        """(ids [R, k'], their probabilities [R, k']): each row's k likeliest ids (k' = min(k, N))."""
         probs = self.probs if self.columns is None else self.probs[:, :-1]
         values, cols = native.topk(probs, min(k, probs.shape[-1]))
-        return (cols if self.columns is None else self.columns.ids[cols]), values > 0
+        return (cols if self.columns is None else self.columns.ids[cols]), values
 
 
 @dataclass
@@ -123,6 +124,8 @@ class Recorder:
             reads.add("p_ends", p_show.own(ends))
             if drafts.numel():
                 reads.add("q_ends", q_show.every(ends))
+        if self.record_top:
+            _candidates(reads, p_show, q_show, self.record_top)
         return View(p_show, q_show, reads)
 
     def tokens(self, view: View, proposal: Proposal, verdict: Verdict, path: list[int],
@@ -152,10 +155,11 @@ class Recorder:
         tops = [[] for _ in range(gamma + 1)]
         if self.record_top:  # the extra's candidates too: where two runs part, the size of the tie
             residual = verdict.residual if corrected is not None and not self.params.greedy else None
-            asks = [(parents[i] + 1, i, tok, i == corrected and residual is not None) for i, tok in enumerate(tokens)]
+            asks = [Ask(parents[i] + 1, i, tok, p_d[i], q_d[i], i == corrected and residual is not None)
+                    for i, tok in enumerate(tokens)]
             if extra_id is not None:
-                asks.append((end + 1, children[0] if children else None, extra_id, False))
-            tops = _top_tokens(view, asks, self.record_top, text, residual)
+                asks.append(Ask(end + 1, children[0] if children else None, extra_id, p_extra, q_extra or 0.0))
+            tops = _top_tokens(view, asks, text, residual)
         drafted, rejected = [], set(verdict.rejected)
         for i, tok in enumerate(tokens):
             status = ACCEPTED if i in path else REJECTED if i in rejected and parents[i] in tested else UNVERIFIED
@@ -170,42 +174,66 @@ class Recorder:
         return drafted, extra
 
 
-def _top_tokens(view: View, asks, k: int, text, residual=None) -> list[list[TopToken]]:
-    """Candidates at each asked position, for the inspector: the union of the k most likely tokens
-    under p and under q (where q has mass: a one-hot q has one), and the chosen one. asks: per
-    position (p row, q row or None, chosen id, with the residual row or not); None as q row: nothing
-    was drafted there (a bonus or a baseline step). Two top-k calls and one gather per value for
-    the whole round, not a handful of small tensor calls per position."""
-    p_show, q_show = view.p, view.q
-    device, g = p_show.probs.device, q_show.probs.shape[0]
-    # two reads for the round: the top k ids under p and q (-1 where q has no mass), then the values
-    tops = Reads().add("p", p_show.top(k)[0])  # [g + 1, k]
-    if g:
-        q_ids, mass = q_show.top(k)
-        tops.add("q", torch.where(mass, q_ids, -1))  # [g, k'] (k' < k where the drafter's vocabulary is smaller)
-    fetch([tops])
-    p_top = [[int(i) for i in row] for row in tops["p"]]
-    q_top = [[int(i) for i in row if i >= 0] for row in tops["q"]] if g else []
-    ids = [sorted({*p_top[p_row], chosen, *(q_top[q_row] if q_row is not None else ())})
-           for p_row, q_row, chosen, _ in asks]
-    flat = [i for row in ids for i in row]
-    p_rows = [p_row for (p_row, *_), row in zip(asks, ids, strict=True) for _ in row]
-    q_rows = [q_row or 0 for (_, q_row, *_), row in zip(asks, ids, strict=True) for _ in row]
-    p_rows, q_rows, flat_d = on_device([p_rows, q_rows, flat], device)  # sent without a wait
-    values = Reads().add("p", p_show.at(p_rows, flat_d))
-    if g:
-        values.add("q", q_show.at(q_rows, flat_d))
-    if residual is not None:
-        values.add("residual", residual[flat_d])
-    fetch([values])
-    p, q = values["p"], values["q"] if g else []
-    res = values["residual"] if residual is not None else []
-    out, at = [], 0
-    for (_, q_row, _, with_residual), row in zip(asks, ids, strict=True):
-        span = range(at, at + len(row))
-        at += len(row)
-        rows = [(i, p[j], q[j] if q_row is not None else 0.0, res[j] if with_residual else None)
-                for i, j in zip(row, span, strict=True)]
+def _candidates(reads: Reads, p: Shown, q: Shown, k: int) -> None:
+    """What the inspector's candidates need, added to the round's one read: the k likeliest ids of each row of p
+    ("top_p_ids" [g + 1, k]) and of q ("top_q_ids" [g, k'], k' = min(k, N)) with their probabilities, each row's
+    p at every row's q candidates ("p_at_q" [g + 1, g·k']) and q at p's ("q_at_p" [g, (g + 1)·k]): which row of p
+    a node is judged at is known after the read (a tree's parents), so every pair is read (a few hundred values)."""
+    p_ids, p_top = p.top(k)
+    reads.add("top_p_ids", p_ids).add("top_p", p_top)
+    if q.probs.shape[0]:
+        q_ids, q_top = q.top(k)
+        reads.add("top_q_ids", q_ids).add("top_q", q_top)
+        reads.add("p_at_q", p.every(q_ids.flatten())).add("q_at_p", q.every(p_ids.flatten()))
+
+
+class Ask(NamedTuple):
+    """A place whose candidates the inspector shows: its row of p, its row of q (None: nothing was drafted there,
+    a bonus or a baseline step), the token chosen there with its p and q, and whether a rejection's residual is
+    shown there too."""
+
+    p_row: int
+    q_row: int | None
+    chosen: int
+    p: float
+    q: float
+    with_residual: bool = False
+
+
+def _top_tokens(view: View, asks: list[Ask], text, residual=None) -> list[list[TopToken]]:
+    """Candidates at each asked place, for the inspector: the union of the k most likely tokens under p and
+    under q (where q has mass: a one-hot q has one), and the chosen one, each with its p and q, all from the
+    round's one read (`_candidates`); the residual's values at them (a sampled rejection's) in one more."""
+    shown = view.reads
+    p_ids, p_top = shown["top_p_ids"], shown["top_p"]
+    g = view.q.probs.shape[0]
+    q_ids, q_top = (shown["top_q_ids"], shown["top_q"]) if g else ([], [])
+    p_at_q, q_at_p = (shown["p_at_q"], shown["q_at_p"]) if g else ([], [])
+    k, kq = len(p_ids[0]), len(q_ids[0]) if g else 0
+    places = []
+    for ask in asks:
+        p_of = {int(i): v for i, v in zip(p_ids[ask.p_row], p_top[ask.p_row], strict=True)}
+        q_of = {}
+        if ask.q_row is not None:
+            row = range(ask.q_row * kq, (ask.q_row + 1) * kq)
+            for i, v, at in zip(q_ids[ask.q_row], q_top[ask.q_row], row, strict=True):
+                if v > 0:  # a candidate of q's where it has mass
+                    q_of[int(i)] = v
+                    p_of.setdefault(int(i), p_at_q[ask.p_row][at])
+            for j, i in enumerate(p_ids[ask.p_row]):
+                q_of.setdefault(int(i), q_at_p[ask.q_row][ask.p_row * k + j])
+        p_of.setdefault(ask.chosen, ask.p)
+        q_of.setdefault(ask.chosen, ask.q)
+        places.append((ask, sorted(p_of), p_of, q_of))
+    res = {}
+    if residual is not None and any(ask.with_residual for ask in asks):
+        ids = [i for ask, row, *_ in places if ask.with_residual for i in row]
+        fetch([values := Reads().add("residual", residual[on_device(ids, residual.device)])])
+        res = dict(zip(ids, values["residual"], strict=True))
+    out = []
+    for ask, row, p_of, q_of in places:
+        rows = [(i, p_of[i], q_of[i] if ask.q_row is not None else 0.0, res[i] if ask.with_residual else None)
+                for i in row]
         rows.sort(key=lambda r: -(r[1] + r[2]))
         out.append([TopToken(i, text(i), pi, qi, ri) for i, pi, qi, ri in rows])
     return out

@@ -43,8 +43,8 @@ from .cachedir import cache_root, locked
 SOURCE = Path(__file__).with_name("gemm_avx2.c")
 # compiled into one library: the GEMM kernels per instruction set, on GGUF blocks, a layer's other steps, the
 # whole-layer call
-SOURCES = tuple(SOURCE.with_name(name) for name in ("gemm_avx2.c", "gemm_avx512.c", "gemm_blocks.c", "layer_ops.c",
-                                                     "layers.c"))
+SOURCES = tuple(SOURCE.with_name(name) for name in ("gemm_avx2.c", "gemm_avx512.c", "gemm_blocks.c", "gemm_int8.c",
+                                                     "layer_ops.c", "layers.c"))
 HEADERS = tuple(SOURCE.with_name(name) for name in ("kernels.h", "gemm_store.h", "specviz_abi.h"))  # they include
 # -Wall: the tests build with -Werror as well (test_kernels); a user's compiler warning about something new is
 # no reason to lose the kernels
@@ -207,8 +207,9 @@ def library() -> ctypes.CDLL:
     lib.specviz_layers.restype = ctypes.c_int
     lib.specviz_gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
     lib.specviz_gemm_amx.restype = None
-    lib.specviz_gemm_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
-    lib.specviz_gemm_int8.restype = None
+    for entry in (lib.specviz_gemm_int8, lib.specviz_gemm_int8_avx2):
+        entry.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3  # x, w, b, y, m, n, k
+        entry.restype = None
     lib.specviz_amx_ready.argtypes, lib.specviz_amx_ready.restype = [], ctypes.c_int
     lib.specviz_argmax_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # x rows n out
     lib.specviz_argmax_f32.restype = None
@@ -520,21 +521,22 @@ def pack_quads(weight: torch.Tensor) -> torch.Tensor:
                       blocks.view(-1).view(torch.uint8)])
 
 
-def bind_quads(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-               ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The product x [..., K] @ weight.T + bias -> [..., N] of bfloat16 x through pack_quads' int8 weight, each
-    row quantized to 8 bits alone (the caller has checked that this CPU has AVX512-VNNI)."""
+def bind_quads(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product x [..., K] @ weight.T + bias -> [..., N] through pack_quads' int8 weight, each row quantized to 8
+    bits alone: bfloat16 rows with AVX512-VNNI (gemm_avx512.c; the caller has checked the CPU), float32 rows with
+    AVX2 (gemm_int8.c)."""
     n, k = weight.shape
-    entry = library().specviz_gemm_int8
+    entry = library().specviz_gemm_int8 if dtype == torch.bfloat16 else library().specviz_gemm_int8_avx2
     b = None if bias is None else bias.float().contiguous()
     at, at_bias = packed.data_ptr(), None if b is None else b.data_ptr()
 
     def product(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, k)
-        if flat.dtype != torch.bfloat16:
-            raise TypeError(f"the int8 kernel takes bfloat16 rows, got {flat.dtype}")
+        if flat.dtype != dtype:
+            raise TypeError(f"this int8 kernel takes {dtype} rows, got {flat.dtype}")
         flat = flat.contiguous()
-        y = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+        y = torch.empty(*x.shape[:-1], n, dtype=dtype)
         entry(flat.data_ptr(), at, at_bias, y.data_ptr(), flat.shape[0], n, k)
         return y
 
