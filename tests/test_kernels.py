@@ -234,6 +234,11 @@ def test_a_drafters_weight_keeps_one_kind_of_numbers_at_every_row_count():
     assert {t.best("8x8", r, lossy=True) for r in (1, 3, 9, 40)} == {"int8"}
     times["1"]["linear"] = 0.1  # an exact path fastest for one row: exact paths only
     assert {t.best("8x8", r, lossy=True) for r in (1, 3, 9)} == {"linear"}
+    # specviz's AVX2 int8 kernel and fbgemm's both keep int8 weights, but fbgemm scales a row otherwise: never one
+    # for some row counts and the other for the rest (a batch row would draft from other q than alone)
+    times["1"].update(linear=3.0, **{"avx2-int8": 0.5})
+    times["4"]["avx2-int8"] = times["16"]["avx2-int8"] = 5.0
+    assert {t.best("8x8", r, lossy=True) for r in (1, 3, 9, 40)} == {"avx2-int8"}
 
 
 def test_a_machine_keys_its_own_profile(monkeypatch):

@@ -249,8 +249,9 @@ PATHS: dict[str, KernelPath] = {p.name: p for p in [
     KernelPath("avx2-int8", (torch.float32,), False, lambda w, rows: native.pack_quads(w),
                lambda packed, w, b, rows: native.bind_quads(packed, w, b, torch.float32),
                "specviz's int8 kernel for float32 drafters with AVX2: the vnni-int8 path's weights and numbers, the "
-               "integer sums in VPMADDUBSW pairs (gemm_int8.c; drafters only)", lossy=True, numbers="int8",
-               bits="int8-avx2", layers={torch.float32: "specviz_gemm_int8_avx2"}),
+               "integer sums in VPMADDUBSW pairs (gemm_int8.c; drafters only)", lossy=True,
+               # not fbgemm's "int8": its 7-bit rows scaled otherwise would give a batch row other q than alone
+               numbers="int8, each row alone", bits="int8-avx2", layers={torch.float32: "specviz_gemm_int8_avx2"}),
     KernelPath("int8", (torch.float32,), False, _int8_pack, _int8,
                "weights int8 per output row, rows quantized to 8 bits as they come (drafters only)", lossy=True,
                numbers="int8", bits="int8"),
