@@ -690,6 +690,27 @@ def test_the_avx2_int8_kernel_is_its_quantization_and_each_row_alone(fresh_table
         assert together.shape == (1, rows, n) and torch.equal(together[0], alone[:rows]), rows
 
 
+def test_the_float32_rms_call_is_rmsnorm_within_rounding():
+    """native.rms_f32 (the EAGLE head's norms in float32): transformers' RMSNorm formula to float32's rounding (the
+    sum of squares in another order), rows of very different sizes, an odd width, a batch; other dtypes refused."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specviz.models import native
+
+    if not native.runs_here():
+        pytest.skip("specviz's library does not run here")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 75, generator=gen) * torch.logspace(-4, 3, 5)[None, :, None]
+    norm = LlamaRMSNorm(75, eps=1e-5)
+    norm.weight.data = torch.randn(75, generator=gen)
+    with torch.no_grad():
+        want = norm(x)
+    got = native.rms_f32(x, norm.weight.data, 1e-5)
+    assert got.shape == x.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match="float32 rows"):
+        native.rms_f32(x.bfloat16(), norm.weight.data, 1e-5)
+
+
 def test_the_rms_call_is_transformers_rmsnorm(monkeypatch):
     """leanllama.rms_norm on bfloat16 rows (one C call where the library runs) against transformers'
     LlamaRMSNorm: the same roundings, so at most one bfloat16 step apart where the sum of squares, taken in

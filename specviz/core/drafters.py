@@ -331,8 +331,10 @@ class EagleDrafter:
             depth = min(depth, -(-self.nodes // k))
         h, logits = caught_up  # h [B, 1, D]: the root's output, fed back with each child; logits [B, N]
         rows, (lengths, drafting) = len(seqs), on_device([cache.lengths, gammas], device)  # [B] each: entries, γ
+        # a chain feeds its one node a level, unranked, and its entries follow the real ones: the head's causal mask
+        chain = k == 1
         # the real entries each fed node sees, [B, 1, C + 1]; a row past its γ sees slot 0 and writes the scratch
-        seen = (cache.slot_index < lengths[:, None])[:, None]
+        seen = None if chain else (cache.slot_index < lengths[:, None])[:, None]
         # per level: [B, n] ids (on the head's vocabulary), parents, log scores, [B, n, N] q; [B, f, N] logits of
         # the fed nodes, and each node's fed node (its parent) among all levels' (a node's logits are its parent's)
         tokens, parents, scores, node_q, fed_logits, fed_of = [], [], [], [], [], []
@@ -352,10 +354,11 @@ class EagleDrafter:
                         picks[row], child_q[row] = draw_children(q[row], kk, generators[row])
             else:
                 picks = native.topk(logits.reshape(-1, logits.shape[-1]), k)[1].view(*logits.shape[:2], k)  # [B, f, k]
-            logp = logits.log_softmax(-1).gather(-1, picks)  # ranked by the head's own (unwarped) probability
             tokens.append(picks.flatten(1))
-            parents.append(beam_ids[:, :, None].expand(-1, -1, kk).flatten(1))
-            scores.append((fed_score[:, :, None] + logp).flatten(1))
+            if not chain:  # ranked by the head's own (unwarped) probability
+                logp = logits.log_softmax(-1).gather(-1, picks)
+                parents.append(beam_ids[:, :, None].expand(-1, -1, kk).flatten(1))
+                scores.append((fed_score[:, :, None] + logp).flatten(1))
             fed = sum(x.shape[1] for x in fed_logits)  # fed nodes of the levels above
             fed_of += [fed + j // kk for j in range(logits.shape[1] * kk)]
             fed_logits.append(logits)
@@ -363,6 +366,12 @@ class EagleDrafter:
                 node_q.append(child_q.flatten(1, 2))
             if level == depth:
                 break
+            if chain:  # the node fed at the slot after the last, where the row drafts a level below it
+                slots = torch.where(level < drafting, lengths + level - 1, cache.scratch)[:, None]  # [B, 1]
+                h, logits = self.head.step(cache, self.head.draft_ids[tokens[-1]], h, slots,
+                                           torch.where(slots == cache.scratch, 0, slots))
+                logits = at_least_float32(logits)
+                continue
             # the next beam: the k likeliest nodes of this level, fed as entries (h of their parent, token)
             first = sum(t.shape[1] for t in tokens[:-1])  # node index of this level's first node
             beam = torch.topk(scores[-1], min(k, scores[-1].shape[1]), dim=-1).indices  # [B, f']

@@ -453,6 +453,13 @@ static void rms_f32(const float *x, const float *w, float *y, int64_t rows, int6
     }
 }
 
+/* rms_f32 on its own (native.rms_f32: the EAGLE head's norms outside its layer's call, where ATen's float32
+   RMSNorm is several operations, each with its threads to start). */
+void specviz_rms_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps, int64_t share)
+{
+    rms_f32(x, w, y, rows, n, eps, share);
+}
+
 /* A layer's steps between its products in the model's dtype (f32, else bfloat16): the functions above. */
 void layer_norm(const void *x, const void *w, void *y, int64_t rows, int64_t n, float eps, int64_t f32, int64_t share)
 {

@@ -195,6 +195,8 @@ def library() -> ctypes.CDLL:
     # x, w, y, rows, n, eps, share (the rows shared among threads or not: rms_bf16)
     lib.specviz_rms_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.specviz_rms_bf16.restype = None
+    lib.specviz_rms_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
+    lib.specviz_rms_f32.restype = None
     lib.specviz_attend_bf16.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float]  # q, k, v, mask, out, dims, strides
     lib.specviz_attend_bf16.restype = None
     lib.specviz_rope_store_bf16.argtypes = [ctypes.c_void_p] * 8  # qkv, cos, sin, slots, q, k and v caches, dims
@@ -275,6 +277,20 @@ def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, share: bool = Tr
     flat, w = x.contiguous(), weight.contiguous()
     y = torch.empty_like(flat)
     library().specviz_rms_bf16(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // n, n, eps, share)
+    return y
+
+
+def rms_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 rows x [..., n] with a float32 weight [n], w (x / sqrt(mean x^2 + eps)), the sum of squares
+    in eight lanes (layer_ops.c, specviz_rms_f32: what native.layers computes in float32), in one call, the rows on
+    this thread."""
+    n = x.shape[-1]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (n,):
+        raise TypeError(f"rms_f32 needs float32 rows and a weight of {n}, got {x.dtype} and {weight.dtype} "
+                        f"{tuple(weight.shape)}")
+    flat, w = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(flat)
+    library().specviz_rms_f32(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // max(n, 1), n, eps, 0)
     return y
 
 
