@@ -61,6 +61,12 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path, capsys):
     assert "policy / best fixed" in md and "batch / sequential" in md
     assert "### Forward passes" in md and "median baseline / HF plain" in md
     assert "| lookup+eagle | 0 | tree 3x2:4 | 5 |" in md  # chains and trees, with the verify width
+    for r in rows:  # each row's round by stage, and a plain step's, as events.STAGES name them
+        assert list(r["stages_ms"]) == list(r["baseline_stages_ms"]) == ["draft", "verify", "judge", "record", "rest"]
+        assert r["stages_ms"]["verify"] > 0 and r["stages_ms"]["draft"] > 0
+        assert r["baseline_stages_ms"]["draft"] < r["baseline_stages_ms"]["verify"]  # a plain step drafts nothing
+    split = md.split("### Where a round's time goes")[1].split("###")[0]
+    assert "| lookup+eagle | 0 | tree 3x2:4 |" in split and "| model | 0 | chain γ = 3 |" in split
     assert (tmp_path / "out" / "speedup.html").stat().st_size > 10_000
     assert "median speedup" in capsys.readouterr().out
 

@@ -3,6 +3,7 @@ time, in a single run, a batch, the baseline, and on the page."""
 
 import re
 import time
+from statistics import median
 
 import pytest
 from conftest import words
@@ -34,12 +35,19 @@ def slowed(monkeypatch, owner, name: str) -> None:
     (drafters.DraftModelDrafter, "verified", "rest"),
 ])
 def test_each_stage_holds_its_own_work(pattern_pair, monkeypatch, owner, name, stage):
+    """A pause in one stage's work shows in that stage and in no other (medians over the rounds: a busy machine may
+    stall any one round anywhere)."""
     pair = pattern_pair("llama")
+
+    def medians() -> dict[str, float]:
+        run = generate(pair, "", Settings(gamma=2, max_new_tokens=12), prompt_ids=words(2, 3, 4))
+        return {s: median(e.stage_ms[s] for e in run.events) for s in STAGES}
+
+    plain = medians()
     slowed(monkeypatch, owner, name)
-    run = generate(pair, "", Settings(gamma=2, max_new_tokens=9), prompt_ids=words(2, 3, 4))
-    for event in run.events:
-        assert event.stage_ms[stage] >= 1000 * PAUSE_S
-        assert all(ms < 1000 * PAUSE_S for other, ms in event.stage_ms.items() if other != stage), event.stage_ms
+    paused = medians()
+    assert paused[stage] >= 1000 * PAUSE_S
+    assert all(paused[other] < plain[other] + 500 * PAUSE_S for other in STAGES if other != stage), (plain, paused)
 
 
 @pytest.mark.parametrize("mode", ["speculative", "baseline"])
@@ -51,12 +59,11 @@ def test_the_stages_add_up_to_the_rounds(pattern_pair, mode, temperature):
     assert all(min(e.stage_ms.values()) >= 0 and e.verify_ms > 0 and e.judge_ms > 0 for e in run.events)
     if mode == "speculative":
         assert all(e.draft_ms > 0 for e in run.events)
-    # the rounds end where the next begins: what lies between is a few statements, not a stage left out
-    gaps = run.rounds_ms - sum(e.round_ms for e in run.events)
-    assert 0 <= gaps < 0.5 * len(run.events)
+    # each round ends where the next begins: what lies between is a few statements, not a stage left out (a median:
+    # a busy machine may stall the process between two rounds)
     starts = [run.meta.prefill_ms] + [e.elapsed_ms for e in run.events[:-1]]
-    for start, event in zip(starts, run.events, strict=True):
-        assert event.elapsed_ms - start == pytest.approx(event.round_ms, abs=0.5)
+    between = [event.elapsed_ms - start - event.round_ms for start, event in zip(starts, run.events, strict=True)]
+    assert min(between) > -1e-6 and median(between) < 0.1
 
 
 def test_a_batch_shares_each_round_among_its_rows(pattern_pair):

@@ -506,7 +506,7 @@ def decode(
         verify, shapes = _verify(target, proposals, lasts, pad_id(pair), drafter.requires_hidden, rule.needs_shapes)
         clock.mark("verify")
         judged = _judge(rule, recorder, proposals, verify.logits, shapes, rows.now(rows.generators), params)
-        clock.mark("judge")  # (its read waited for the device)
+        clock.mark("judge")
         kept = _commit(pair, settings, rows, target, recorder, slots, judged)
         clock.mark("record")
         drafter.verified([k.n for k in kept], _along(verify.hidden, [k.path for k in kept], chain))
@@ -523,7 +523,8 @@ def decode(
 class Stopwatch:
     """A round's stages (events.STAGES) timed back to back from its start: `mark` ends one, so together they are
     the round's wall time. wait: first let a GPU finish the stage's queued work (a CPU's work is done when its
-    call returns); a stage that reads from the device waits there anyway."""
+    call returns). The verify is marked without a wait: on a GPU its queued work is waited for by the judge's read,
+    so there the forward's device time shows in the judge."""
 
     def __init__(self, device: torch.device):
         self.device, self.last, self.ms = device, time.perf_counter(), {}

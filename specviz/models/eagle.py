@@ -96,8 +96,8 @@ class HeadConfig:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm, fused (the weight cast to x's dtype, as under autocast x may be bf16); drafting on a CPU, in one C
-    call (F.rms_norm runs eight operations there, each starting its threads): the target's in bfloat16, in float32
-    the one native.layers runs (its sum of squares in another order than ATen's: a drafter may round otherwise)."""
+    call where F.rms_norm runs several operations: in bfloat16 the target's, in float32 the one native.layers runs
+    (its sum of squares in another order than ATen's: a drafter may round otherwise)."""
     if in_c(x):
         return native.rms_bf16(x, weight.to(x.dtype), eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and in_c(x, whole_layers=True):
