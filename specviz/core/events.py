@@ -283,7 +283,7 @@ class Run:
     def mean_stages(self) -> dict[str, float]:
         """ms a round spends in each stage (STAGES), the mean over the run's rounds (0 each without rounds)."""
         n = max(len(self.events), 1)
-        return {stage: sum(e.stage_ms[stage] for e in self.events) / n for stage in STAGES}
+        return {stage: sum(getattr(e, f"{stage}_ms") for e in self.events) / n for stage in STAGES}
 
     @property
     def finish_reason(self) -> str | None:

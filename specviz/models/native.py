@@ -270,27 +270,26 @@ def rms_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, share: bool = Tr
     depends on the machine and the row count (a row's arithmetic is small, but inside a forward its numbers arrive
     from the other core's cache, and starting threads has a cost of its own), so a model times its forward both
     ways (leanllama.LeanLlama.timed_ways) and passes what was faster. Where nothing was timed they are shared."""
-    n = x.shape[-1]
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.shape != (n,):
-        raise TypeError(f"rms_bf16 needs bfloat16 rows and a weight of {n}, got {x.dtype} and {weight.dtype} "
-                        f"{tuple(weight.shape)}")
-    flat, w = x.contiguous(), weight.contiguous()
-    y = torch.empty_like(flat)
-    library().specviz_rms_bf16(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // n, n, eps, share)
-    return y
+    return _rms(library().specviz_rms_bf16, torch.bfloat16, x, weight, eps, share)
 
 
 def rms_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of float32 rows x [..., n] with a float32 weight [n], w (x / sqrt(mean x^2 + eps)), the sum of squares
     in eight lanes (layer_ops.c, specviz_rms_f32: what native.layers computes in float32), in one call, the rows on
     this thread."""
+    return _rms(library().specviz_rms_f32, torch.float32, x, weight, eps, False)
+
+
+def _rms(entry, dtype: torch.dtype, x: torch.Tensor, weight: torch.Tensor, eps: float, share: bool) -> torch.Tensor:
+    """rows x [..., n] and a weight [n], both of `dtype`, through the library's norm `entry` (TypeError otherwise)."""
     n = x.shape[-1]
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (n,):
-        raise TypeError(f"rms_f32 needs float32 rows and a weight of {n}, got {x.dtype} and {weight.dtype} "
+    if x.dtype != dtype or weight.dtype != dtype or weight.shape != (n,):
+        name = str(dtype).removeprefix("torch.")
+        raise TypeError(f"this RMSNorm needs {name} rows and a weight of {n}, got {x.dtype} and {weight.dtype} "
                         f"{tuple(weight.shape)}")
     flat, w = x.contiguous(), weight.contiguous()
     y = torch.empty_like(flat)
-    library().specviz_rms_f32(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // max(n, 1), n, eps, 0)
+    entry(flat.data_ptr(), w.data_ptr(), y.data_ptr(), flat.numel() // max(n, 1), n, eps, share)
     return y
 
 

@@ -275,10 +275,10 @@ def time_split_html(spec: Run, baseline: Run | None = None) -> str:
     runs = [(spec, "speculative round" if spec.meta.mode == "speculative" else "plain step")]
     if baseline is not None and baseline.events:
         runs.append((baseline, "plain step (baseline)"))
-    widest = max(sum(run.mean_stages().values()) for run, _ in runs) or 1.0
+    stages_of = [run.mean_stages() for run, _ in runs]
+    widest = max(sum(stages.values()) for stages in stages_of) or 1.0
     bars = []
-    for run, label in runs:
-        stages = run.mean_stages()
+    for (run, label), stages in zip(runs, stages_of, strict=True):
         total = sum(stages.values())
         parts = "".join(
             f'<span class="sv-stage sv-stage-{name}" data-stage="{name}" data-ms="{ms:.3f}" '
