@@ -510,7 +510,11 @@ def test_bench_page_reads_the_speedup_the_page_shows_and_who_spent_the_cpu(capsy
     rows = [line for line in out.splitlines() if re.match(r"\| [12] \|", line)]
     assert len(rows) == 2, out
     for row in rows:
-        speedup, tps, wall, *cpu = [c.strip() for c in row.strip("|").split("|")][1:]
+        speedup, tps, round_ms, step_ms, wall, *cpu = [c.strip() for c in row.strip("|").split("|")][1:]
+        # the page's split: a round's draft, verify and the rest; a plain step's verify and the rest
+        assert len(round_ms.split(" / ")) == 3 and len(step_ms.split(" / ")) == 2
+        assert all(float(ms) >= 0 for ms in round_ms.split(" / ") + step_ms.split(" / "))
+        assert float(round_ms.split(" / ")[1]) > 0 and float(step_ms.split(" / ")[0]) > 0
         spec, base = (float(x) for x in tps.split(" / "))  # shown to 0.1, the speedup (from the unrounded) to 0.01
         low, high = (spec - 0.05) / (base + 0.05) - 0.005, (spec + 0.05) / (base - 0.05) + 0.005
         assert low <= float(speedup.rstrip("x")) <= high

@@ -108,6 +108,20 @@ WATCH_STATUS = """() => {
 }"""
 
 
+# The page's time split (rendering.time_split_html): per bar ("speculative", "baseline"), ms a round per stage
+READ_SPLIT = """() => Object.fromEntries([...document.querySelectorAll('#sv-time-split .sv-split-row')].map(row => [
+  row.dataset.run,
+  Object.fromEntries([...row.querySelectorAll('[data-stage]')].map(s => [s.dataset.stage, +s.dataset.ms]))]))"""
+
+
+def split_text(split: dict[str, float] | None, drafted: bool) -> str:
+    """A bar of the page's split as 'draft / verify / the rest' ms ('verify / the rest' for a plain step)."""
+    if not split:
+        return "–"
+    rest = sum(ms for stage, ms in split.items() if stage not in ("draft", "verify"))
+    return " / ".join(f"{ms:.1f}" for ms in ([split["draft"]] if drafted else []) + [split["verify"], rest])
+
+
 def run_to_its_end(page, timeout: float = 600_000) -> str:
     """Press Run and return that run's last status line, watched from before the click (WATCH_STATUS)."""
     page.evaluate(WATCH_STATUS)
@@ -118,8 +132,9 @@ def run_to_its_end(page, timeout: float = 600_000) -> str:
 
 def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, threads: int | None = None,
               update_s: float | None = None, charts_s: float | None = None, progress: Progress = print) -> list[dict]:
-    """Per run: the page's status line, the speedup and tokens/s it reads, the wall time from the click to
-    "done", and the app's and the browser's CPU-seconds over it."""
+    """Per run: the page's status line, the speedup and tokens/s it reads, its time split (a round's and a plain
+    step's ms per stage), the wall time from the click to "done", and the app's and the browser's CPU-seconds over
+    it."""
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium")
@@ -150,8 +165,10 @@ def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, 
                     raise RuntimeError(f"run {i + 1} ended with: {status}")
                 read = [float(x) for x in found.groups()] if (found := SPEEDUP.search(status)) else [None] * 3
                 cpu = spent(before, after) if after is not None else {}
+                split = page.evaluate(READ_SPLIT)
                 rows.append({"run": i + 1, "status": status, "wall_s": wall, **dict(zip(READ, read, strict=True)),
-                             **{f"{k}_cpu_s": v for k, v in cpu.items()}})
+                             **{f"{k}_cpu_s": v for k, v in cpu.items()},
+                             "spec_split": split.get("speculative"), "base_split": split.get("baseline")})
                 progress(f"run {i + 1}: {status}")
                 time.sleep(1)
             browser.close()
@@ -163,12 +180,14 @@ def page_runs(prompt: str | None, runs: int, max_new_tokens: int | None = None, 
 
 def table(rows: list[dict]) -> str:
     cpu = "app_cpu_s" in rows[0]
-    lines = ["| run | speedup the page reads | speculative / baseline tokens/s | click to done, s"
+    lines = ["| run | speedup the page reads | speculative / baseline tokens/s "
+             "| a round, ms: draft / verify / the rest | a plain step, ms: verify / the rest | click to done, s"
              + (" | app CPU-s | browser CPU-s |" if cpu else " |"),
-             "|---|---|---|---|" + ("---|---|" if cpu else "")]
+             "|---|---|---|---|---|---|" + ("---|---|" if cpu else "")]
     for r in rows:
         tps = f"{r['spec_tps']:.1f} / {r['base_tps']:.1f}" if r["speedup"] is not None else "–"
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "–"
-        lines.append(f"| {r['run']} | {speedup} | {tps} | {r['wall_s']:.1f}"
+        lines.append(f"| {r['run']} | {speedup} | {tps} | {split_text(r.get('spec_split'), True)} | "
+                     f"{split_text(r.get('base_split'), False)} | {r['wall_s']:.1f}"
                      + (f" | {r['app_cpu_s']:.1f} | {r['browser_cpu_s']:.1f} |" if cpu else " |"))
     return "\n".join(lines) + "\n"
