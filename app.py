@@ -249,8 +249,11 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
     run_btn.click(reads(RUN_FIELDS, handlers.run), run_inputs, OUTPUTS, api_name="run", **device(status))
     continue_btn.click(handlers.continue_run, show_rounds, OUTPUTS, api_name="continue", **device(status))
     cancelled = [
-        step_btn.click(reads(RUN_FIELDS, handlers.step), run_inputs, OUTPUTS, api_name="step", **device(status)),
-        next_btn.click(reads(RUN_FIELDS, handlers.next_stage), run_inputs, OUTPUTS, api_name="next", **device(status)),
+        # each press is a step: queued while the last is under way (Gradio's default drops a click made then)
+        step_btn.click(reads(RUN_FIELDS, handlers.step), run_inputs, OUTPUTS, api_name="step", trigger_mode="multiple",
+                       **device(status)),
+        next_btn.click(reads(RUN_FIELDS, handlers.next_stage), run_inputs, OUTPUTS, api_name="next",
+                       trigger_mode="multiple", **device(status)),
         fp32_btn.click(handlers.check_float32, [runs_state, *controls(PAIR)], fp32_status, api_name="check_float32",
                        **device(fp32_status)),
         sample_btn.click(reads((*EXACT_FIELDS, "samples", *TREE), handlers.sample_n),
@@ -262,7 +265,8 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
                         [batch_status, batch_box, batch_download], api_name="batch", **device(batch_status)),
     ]
     stop_btn.click(handlers.stop, None, status, cancels=cancelled, queue=False, api_visibility="private")
-    back_btn.click(handlers.previous_stage, show_rounds, OUTPUTS, api_name="back", show_progress="hidden")
+    back_btn.click(handlers.previous_stage, show_rounds, OUTPUTS, api_name="back", show_progress="hidden",
+                   trigger_mode="multiple")
     upload.upload(handlers.replay, [upload, show_rounds], OUTPUTS, api_name="replay")
     show_rounds.change(handlers.rerender, [runs_state, show_rounds], [spec_html, base_html], api_visibility="private")
     token_pick.change(handlers.inspect_token, [runs_state, token_pick], fig_inspect, api_visibility="private")

@@ -194,7 +194,12 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
         assert page.locator("#stage-view td.sv-cur").count() == 1  # the stage's own cell is marked
         stages = int(re.search(r"stage 1 of (\d+)", page.locator(CAPTION).inner_text()).group(1))
         page.locator("body").click(position={"x": 5, "y": 5})  # focus off any field: the key is for the page
-        for stage in range(2, stages + 1):  # the key n steps through the round's stages in order
+        after = 2
+        if stages >= 3:  # two quick presses are two stages: the second is queued, not dropped while the first runs
+            page.keyboard.press("n")
+            stage_s = timed(page, lambda: page.keyboard.press("n"), "Round 1, stage 3 of")
+            after = 4
+        for stage in range(after, stages + 1):  # the key n steps through the round's stages in order
             stage_s = timed(page, lambda: page.keyboard.press("n"), f"Round 1, stage {stage} of")
         text = page.locator(CAPTION).inner_text()
         assert "takes its place" in text or "bonus" in text or "end-of-text" in text  # the added token is last

@@ -165,3 +165,39 @@ def test_control_tokens_show_as_what_they_are_and_line_breaks_as_a_mark():
     assert '<span class="sv-special">⟨im_end⟩</span>' in drawn and "im_end|" not in drawn
     assert ">end.⏎\n</span>" in page
     assert "&lt;script&gt;" in page  # the rest escaped as before
+
+
+MARKUP = ['<b style="font-size:80px">BIG</b>', "<br>", '<span style="color:red">x</span>']
+
+
+def _strings(spec) -> list[str]:
+    """Every string in a Plotly spec (titles, names, text, hover), wherever it sits."""
+    if isinstance(spec, str):
+        return [spec]
+    if isinstance(spec, dict):
+        return [s for v in spec.values() for s in _strings(v)]
+    if isinstance(spec, list | tuple):
+        return [s for v in spec for s in _strings(v)]
+    return []
+
+
+@pytest.mark.parametrize("markup", MARKUP)
+def test_charts_show_token_markup_as_text(markup):
+    """Plotly draws the tags its labels hold (bold, line breaks, styles): a token's text reaches it with <, > as
+    entities, so the chart shows the token. Only the charts' own line breaks stay tags."""
+    from specviz.core.events import Candidate, SampleCheck
+
+    top = [TopToken(6, markup, 0.1, 0.6, 0.0), TopToken(7, "c", 0.5, 0.1, 0.8)]
+    drafted = [DraftedToken(5, markup, 0.5, 0.4, 0.8, 0.3, "accepted", top, score=0.5),
+               DraftedToken(6, markup, 0.6, 0.1, 1 / 6, 0.9, "rejected", top, score=0.2)]
+    event = RoundEvent(0, 2, drafted, ExtraToken(7, markup, "correction", 0.5, 0.1, top), 1, 4.0, 10.0, 2, 2, 2,
+                       20.0, parents=[-1, 0])
+    check = SampleCheck(100, [Candidate(6, markup, 0.5, 0.4, 0.6)], 0.1, 0.1, 0.05, 1.0, 1.0, 0.5)
+    figs = [charts.token_tree(event), charts.token_tree(event, shown=1, decided=-1, greedy=True),
+            charts.token_inspector(drafted[1], "round 1, position 2:"), charts.sample_histogram(check)]
+    for fig in figs:
+        text = " ".join(_strings(fig)).replace("<br>", " ")
+        assert "<" not in text and ">" not in text, text
+        assert fig.figure().to_json()
+    shown = " ".join(_strings(figs[0]))
+    assert markup.replace("<", "&lt;").replace(">", "&gt;")[:9] in shown

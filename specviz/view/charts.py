@@ -9,6 +9,7 @@ Every figure sets layout.uirevision, so a chart redrawn each round keeps the vie
 from __future__ import annotations
 
 import json
+from html import escape
 from typing import Any
 
 from ..core.events import DraftedToken, RoundEvent, Run, SampleCheck
@@ -30,6 +31,12 @@ class PlotlySpec(dict):
         import plotly.graph_objects as go
 
         return go.Figure(self)
+
+
+def _token(text: str, quoted: bool = True) -> str:
+    """A token's text as Plotly shows it: quoted (repr, so spaces and newlines show) and with <, > and & as
+    entities, since Plotly draws the tags its labels hold (<b>, <br>, <span style>): the chart shows the token."""
+    return escape(repr(text) if quoted else text, quote=False)
 
 
 def _figure(traces: list[dict[str, Any]], title: str, x: str, y: str, key: str, **layout: Any) -> PlotlySpec:
@@ -183,7 +190,7 @@ def sample_histogram(check: SampleCheck | None) -> PlotlySpec:
     """The first token's exact distribution beside the shares of speculative and target-alone draws."""
     if check is None:
         return _figure([], "Sample N times: the draws against the exact distribution", "", "probability", "sample")
-    names = [c.text if c.id < 0 else repr(c.text) for c in check.top]
+    names = [_token(c.text, quoted=c.id >= 0) for c in check.top]
 
     def bar(name: str, y: list[float], colour: str) -> dict[str, Any]:
         return {"type": "bar", "name": name, "x": names, "y": y, "marker": {"color": colour}}
@@ -200,7 +207,7 @@ def token_inspector(token: DraftedToken | None, label: str = "") -> PlotlySpec:
     """p and q over the top candidates at one drafted position, and the residual if rejected."""
     if token is None or not token.top:
         return _figure([], "Pick a drafted token", "", "probability", "inspector")
-    names = [repr(t.text) for t in token.top]
+    names = [_token(t.text) for t in token.top]
 
     def bar(name: str, y: list[float], colour: str) -> dict[str, Any]:
         return {"type": "bar", "name": name, "x": names, "y": y, "marker": {"color": colour}}
@@ -210,7 +217,7 @@ def token_inspector(token: DraftedToken | None, label: str = "") -> PlotlySpec:
     if any(t.residual is not None for t in token.top):
         traces.append(bar("norm(max(0, p − q))", [t.residual or 0.0 for t in token.top], COLOURS["rejected"]))
     u = "greedy: kept iff argmax" if token.u is None else f"u = {token.u:.3f}"
-    title = f"{label} {token.text!r}: {token.status}; min(1, p/q) = {token.accept_prob:.3f}, {u}"
+    title = f"{label} {_token(token.text)}: {token.status}; min(1, p/q) = {token.accept_prob:.3f}, {u}"
     return _figure(traces, title, "candidate token", "probability", "inspector", barmode="group")
 
 
@@ -272,7 +279,7 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
             t = event.drafted[i]
             path = f"<br>draft's path probability {t.score:.3f}" if t.score is not None else ""
             test = (f"p/q = {t.p / t.q:.3f}" if t.q else "") if greedy else f"min(1, p/q) = {t.accept_prob:.3f}"
-            hover.append(f"{t.text!r}, depth {depth[i]}: {name}<br>p = {t.p:.3f}, q = {t.q:.3f}, {test}{path}")
+            hover.append(f"{_token(t.text)}, depth {depth[i]}: {name}<br>p = {t.p:.3f}, q = {t.q:.3f}, {test}{path}")
         traces.append({"type": "scatter", "mode": "markers+text", "name": name, "x": [x[i] for i in nodes],
                        "y": [y[i] for i in nodes], "text": [_short(event.drafted[i].text) for i in nodes],
                        "textposition": "top center", "hovertext": hover, "hoverinfo": "text",
@@ -286,7 +293,7 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
         extra = event.extra
         traces.append({"type": "scatter", "mode": "markers+text", "name": extra.kind, "x": [x["extra"]],
                        "y": [y["extra"]], "text": [_short(extra.text)], "textposition": "top center",
-                       "hoverinfo": "text", "hovertext": [f"{extra.text!r}: {extra.kind}, p = {extra.p:.3f}"],
+                       "hoverinfo": "text", "hovertext": [f"{_token(extra.text)}: {extra.kind}, p = {extra.p:.3f}"],
                        "marker": {"color": COLOURS.get(extra.kind, COLOURS["correction"]), "size": 14,
                                   "symbol": "star"}})
     kind = f"tree {depth_of(event)} deep" if event.parents else "chain"
@@ -304,4 +311,4 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
 
 def _short(text: str, n: int = 10) -> str:
     shown = text.replace("\n", "⏎")
-    return shown if len(shown) <= n else shown[: n - 1] + "…"
+    return _token(shown if len(shown) <= n else shown[: n - 1] + "…", quoted=False)
