@@ -27,7 +27,8 @@ def test_a_round_steps_through_drafts_verify_decisions_and_the_added_token(rando
         assert [s.position for s in stages if s.kind == DECIDE] == tested
         for k, stage in enumerate(stages):
             page = stage_html(event, run.meta, k)
-            assert f"stage {k + 1} of {len(stages)}" in page
+            label = f"stage {k + 1} of {len(stages)}" if k == len(stages) - 1 else f"stage {k + 1} ("
+            assert label in page and (" of " in page.split(": ")[0]) == (k == len(stages) - 1)
             marked = page.count('class="sv-cur')  # the stage's own cell; the whole p row for the verify pass
             assert marked == len(event.drafted) if stage.kind == VERIFY else marked <= 1
             if event.drafted and stage.kind == DRAFT:  # p is not known before the verify pass
@@ -216,3 +217,52 @@ def test_the_added_token_is_drawn_beside_the_draft_it_replaced_not_on_it():
     traces = {t.get("name"): t for t in charts.token_tree(chain)["data"]}
     rejected, star = traces["rejected"], traces["correction"]
     assert star["x"] == rejected["x"] == [1] and star["y"] != rejected["y"]
+
+
+def _changed_after(event: RoundEvent, decided: set[int]) -> RoundEvent:
+    """The same round as far as the stages deciding `decided` go, and changed in what they do not show: the drafts
+    after the last one decided (so the stages before stay the same) flip kept and rejected, with another u; the
+    added token, the count kept and the caches differ."""
+    flip = {"accepted": "rejected", "rejected": "accepted"}
+    after = max(decided, default=-1)
+    drafted = [t if i <= after else dataclasses.replace(t, status=flip.get(t.status, t.status), u=0.777)
+               for i, t in enumerate(event.drafted)]
+    x = event.extra
+    extra = ExtraToken(999, "ZZZ", "bonus" if x is not None and x.kind == "correction" else "correction", 0.123,
+                       0.456) if x is not None else None
+    return dataclasses.replace(event, drafted=drafted, extra=extra, n_accepted=event.n_accepted + 1,
+                               target_cache_len=event.target_cache_len + 7)
+
+
+@pytest.mark.slow
+def test_no_stage_tells_what_a_later_stage_decides(eagle_pair):
+    """Stepped through, a round shows at each stage only what that stage and the ones before computed: rendered
+    beside the same round changed in everything decided later (the drafts not yet tried, the added token, the
+    count kept), every stage but the last reads the same in the caption, table, five steps, tree chart, stream and
+    stats. Over recorded chain, tree, greedy and sampled rounds."""
+    from specviz.core.events import Run
+    from specviz.ui.view import View
+    from specviz.view.stages import tree_view
+
+    pair = eagle_pair("llama")
+    rounds = 0
+    for temperature, branch in ((0.0, 1), (1.0, 1), (0.0, 2), (1.0, 2)):
+        settings = Settings(gamma=3, branch=branch, nodes=5 if branch > 1 else 0, drafter="eagle",
+                            temperature=temperature, max_new_tokens=24, seed=3)
+        run = generate(pair, "", settings, prompt_ids=words(2, 3, 4, 5))
+        for event in run.events:
+            stages = round_stages(event, run.meta)
+            for k, stage in enumerate(stages[:-1]):
+                decided = {s.position for s in stages[: k + 1] if s.kind == DECIDE}
+                other = _changed_after(event, decided)
+                if len(round_stages(other, run.meta)) - 1 <= k:
+                    continue
+                for a, b in ((stage_html(event, run.meta, k), stage_html(other, run.meta, k)),
+                             (how_it_works_html(event, run.meta, k), how_it_works_html(other, run.meta, k)),
+                             (charts.token_tree(event, *tree_view(stage), greedy=temperature == 0),
+                              charts.token_tree(other, *tree_view(stage), greedy=temperature == 0)),
+                             (View(spec=Run(run.meta, [event]), stage=k).stage_outputs()[1:],
+                              View(spec=Run(run.meta, [other]), stage=k).stage_outputs()[1:])):
+                    assert a == b, (temperature, branch, event.index, k, stage.kind)
+            rounds += 1
+    assert rounds >= 30

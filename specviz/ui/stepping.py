@@ -12,7 +12,7 @@ import gradio as gr
 from ..core.events import Run
 from ..tools.stream import Finished, RoundDone, Update
 from ..view.rendering import count, note_html
-from ..view.stages import round_stages
+from ..view.stages import round_stages, stage_label
 from .page import SERVED
 from .view import View
 
@@ -61,7 +61,7 @@ class Stepper:
                     stage=self.stage)
         if self.more():
             event = spec.events[-1] if spec.events else None
-            where = f"round {event.index + 1}, stage {self.stage + 1} of {self.stages()}" if event else "start"
+            where = stage_label(event, round_stages(event, spec.meta), self.stage).lower() if event else "start"
             view.status = note_html(f"{self.note}Stepping: {where}. Next ▸ (key n) for the next stage.",
                                     "Next ▸ (key n) for the next stage, Step for the next round, Continue to run to "
                                     "the end; Run starts afresh with the page's settings.")

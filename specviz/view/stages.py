@@ -25,6 +25,7 @@ NOT_REACHED = "not reached"
 VERDICT = {ACCEPTED: "kept", REJECTED: "rejected"}
 ADDED_NAME = {CORRECTION: "a correction", BONUS: "a bonus", "target": "the target's"}
 STEP_OF = {DRAFT: 1, VERIFY: 2, DECIDE: 3, ADD: 4}  # which of the five steps a stage belongs to
+STEP_NAME = {DRAFT: "draft", VERIFY: "verify", DECIDE: "accept or reject", ADD: "add one token"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ def tree_view(stage: Stage | None) -> tuple[int | None, int | None]:
     if stage.kind == DRAFT:
         return stage.position + 1, -1
     return None, stage.position if stage.kind == DECIDE else -1
+
+
+def stage_label(event: RoundEvent, stages: list[Stage], stage: int) -> str:
+    """'Round 2, stage 3 (accept or reject)': no count of the stages to come, since it tells the outcome (a round
+    that stops at its first rejection has fewer); the last stage says it is the last ('stage 5 of 5')."""
+    of = f" of {len(stages)}" if stage == len(stages) - 1 else ""
+    return f"Round {event.index + 1}, stage {stage + 1}{of} ({STEP_NAME[stages[stage].kind]})"
 
 
 def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
@@ -183,11 +191,11 @@ def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
         rows["depth"].append(_cell("", False))
     rows["token"].append(_cell(_tok(x.text) if x else "(end)", added, added, kind=x.kind if x else ""))
     rows["q (draft)"].append(_cell("" if x is None or x.q is None else f"{x.q:.3f}", added))
-    rows["p (target)"].append(_cell("" if x is None else f"{x.p:.3f}", added or verified))
+    rows["p (target)"].append(_cell("" if x is None else f"{x.p:.3f}", added))  # which token it is: drawn last
     rows[test_row].append(_cell("", False))
     rows["verdict"].append(_cell(x.kind if x else "", added, kind=x.kind if x else ""))
     body = "".join(f"<tr><th>{html.escape(name)}</th>{''.join(cells)}</tr>" for name, cells in rows.items())
-    caption = f"Round {event.index + 1}, stage {stage + 1} of {len(stages)}: {now.caption}"
+    caption = f"{stage_label(event, stages, stage)}: {now.caption}"
     return (f'<div class="sv-stage"><div class="sv-stage-caption">{html.escape(caption)}</div>'
             f'<table class="sv-stage-table"><tr><th></th>{head}</tr>{body}</table></div>')
 
