@@ -145,7 +145,16 @@ def test_a_tree_round_is_told_as_the_tree_it_was(random_pair, temperature):
         first = charts.token_tree(event, *tree_view(stages[0]), greedy=greedy)
         assert first["layout"]["title"]["text"] == "Round 4: 5 drafts as a tree 2 deep"  # no outcome yet
         hover = " ".join(h for t in done["data"] if t.get("name") == "rejected" for h in t["hovertext"])
-        assert ("p/q = " in hover and "min(1" not in hover) if greedy else "min(1, p/q) = 1.000" in hover
+        assert ("p/q = " in hover and "min(1" not in hover) if greedy else "chance kept = 1.000" in hover
+    assert ("greedy test" if greedy else "chance kept vs u") in stage_html(corrected, meta, 0)
+    deeper = dataclasses.replace(meta, gamma=3)  # asked 3 levels, drafted 2: both said
+    assert "a tree 2 deep (γ = 2, 3 asked) of 5 drafts" in how_it_works_html(corrected, deeper, 5)
+    # d1 rejected, d2 kept, d2's child d4 rejected: the correction names d4 alone, not d1 at depth 1
+    sibling = _tree_round(meta, ["rejected", "accepted", "unverified", "rejected", "unverified"],
+                          ExtraToken(7, "fix", "correction", 0.6, 0.1), 1)
+    sibling = dataclasses.replace(sibling, parents=[-1, -1, -1, 1, 1])
+    assert round_stages(sibling, meta)[-1].caption.startswith(
+        "After the kept path, no child tried at depth 2 was kept (d4 (depth 2) rejected)")
     add = round_stages(corrected, meta)[-1].caption
     assert add.startswith("After the kept path, no child tried at depth 2 was kept (d4 (depth 2), d5 (depth 2) "
                           "rejected)") and "2 drafts not reached" in add

@@ -278,7 +278,9 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
         for i in nodes:
             t = event.drafted[i]
             path = f"<br>draft's path probability {t.score:.3f}" if t.score is not None else ""
-            test = (f"p/q = {t.p / t.q:.3f}" if t.q else "") if greedy else f"min(1, p/q) = {t.accept_prob:.3f}"
+            test = ((f"p/q = {t.p / t.q:.3f}" if t.q else "") if greedy else  # a sibling's chance: less what
+                    f"chance kept = {t.accept_prob:.3f}" if event.parents else  # the ones before it took
+                    f"min(1, p/q) = {t.accept_prob:.3f}")
             hover.append(f"{_token(t.text)}, depth {depth[i]}: {name}<br>p = {t.p:.3f}, q = {t.q:.3f}, {test}{path}")
         traces.append({"type": "scatter", "mode": "markers+text", "name": name, "x": [x[i] for i in nodes],
                        "y": [y[i] for i in nodes], "text": [_short(event.drafted[i].text) for i in nodes],

@@ -54,12 +54,14 @@ def _name(event: RoundEvent, i: int) -> str:
     return f"d{i + 1} (depth {event.depths[i]})" if event.parents else f"d{i + 1}"
 
 
-def drafts_text(event: RoundEvent) -> str:
-    """'γ = 3 drafts' for a chain, 'a tree 3 deep (γ = 3) of 5 drafts' for a tree."""
-    n = len(event.drafted)
+def drafts_text(event: RoundEvent, asked: int | None = None) -> str:
+    """'γ = 3 drafts' for a chain, 'a tree 3 deep (γ = 3) of 5 drafts' for a tree; where the round drafted less
+    deep than the γ asked (prompt lookup found less, a sampled tree's budget, a policy), '(3 asked)' too."""
+    n, depth = len(event.drafted), depth_of(event)
+    also = f", {asked} asked" if asked is not None and asked != depth else ""
     if event.parents:
-        return f"a tree {depth_of(event)} deep (γ = {depth_of(event)}) of {n} draft{'s' * (n != 1)}"
-    return f"γ = {n} draft{'s' * (n != 1)}"
+        return f"a tree {depth} deep (γ = {depth}{also}) of {n} draft{'s' * (n != 1)}"
+    return f"γ = {n} draft{'s' * (n != 1)}" + (f" ({asked} asked)" if also else "")
 
 
 def tree_levels(event: RoundEvent) -> list[list[int]]:
@@ -130,7 +132,9 @@ def round_stages(event: RoundEvent, meta: RunMeta) -> list[Stage]:
         stages.append(Stage(ADD, -1, "An accepted draft was the end-of-text token: the text ends there, nothing "
                                      "is added."))
     elif x.kind == CORRECTION:
-        n, rejected = event.n_accepted, [i for i, t in enumerate(event.drafted) if t.status == REJECTED]
+        n, end = event.n_accepted, event.path[-1] if event.path else -1
+        # the children of the kept path's end: those rejected elsewhere were siblings of a kept node
+        rejected = [i for i, t in enumerate(event.drafted) if t.status == REJECTED and event.tree[i] == end]
         source = "the target's own most likely token" if greedy else "a sample from the residual norm(max(0, p − q))"
         what = (f"{'No' if not n else 'After the kept path, no'} child tried at depth {n + 1} was kept "
                 f"({', '.join(_name(event, i) for i in rejected)} rejected)" if tree else f"d{n + 1} was rejected")
@@ -168,8 +172,9 @@ def stage_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
     greedy = meta.sampling.greedy
     head = "".join(f"<th>d{i + 1}</th>" for i in range(len(event.drafted)))
     head += f"<th>{'added' if event.drafted else 'target'}</th>"
-    test_row = "greedy test" if greedy else "min(1, p/q) vs u"
     tree = bool(event.parents)
+    # a sampled tree's chance to keep a child is p less what the siblings tried before it took, over q: not p/q
+    test_row = "greedy test" if greedy else "chance kept vs u" if tree else "min(1, p/q) vs u"
     rows: dict[str, list[str]] = {**({"depth": []} if tree else {}), "token": [], "q (draft)": [], "p (target)": [],
                                   test_row: [], "verdict": []}
     level = event.depths  # a chain's drafts are one per depth: its draft stages are its positions
@@ -223,7 +228,7 @@ def how_it_works_html(event: RoundEvent, meta: RunMeta, stage: int) -> str:
                 "for each draft in order, keep it if u < min(1, p/q), with u uniform on [0, 1)")
         rule += "; stop at the first rejection"
     steps = [
-        ("Draft", f"the drafter proposes {drafts_text(event)}: "
+        ("Draft", f"the drafter proposes {drafts_text(event, meta.gamma if meta.gamma_policy == 'fixed' else None)}: "
                   + (", ".join(f"{_tok(t.text)} (q = {t.q:.2f})" for t in shown) or "…")),
         ("Verify", "one target forward pass over the last token and the drafts gives p at every position: "
                    + ", ".join(f"p(d{i + 1}) = {t.p:.2f}" for i, t in enumerate(drafted))
