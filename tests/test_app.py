@@ -329,3 +329,23 @@ def test_float32_check_and_sample_n(app_url):
     status, _ = client.predict("The future of AI", "offline", "", "", 2, 0.0, 0, 1.0, 0, "eagle", False, 200,
                                api_name="/sample")
     assert "temperature > 0" in html.unescape(status)
+
+
+def test_a_custom_pair_is_let_go_when_another_is_asked_for(monkeypatch, pattern_dirs):
+    """The server keeps the default pair and the one asked for last: a custom pair's models are freed (no reference
+    left) as soon as another pair is asked for."""
+    import weakref
+
+    from specviz.ui import page as ui_page
+
+    target, draft = pattern_dirs("llama")
+    default = object()  # the default pair, loaded (as a server keeps it)
+    monkeypatch.setattr(ui_page, "_pairs", {ui_page._pair_key("offline", "", "", "auto")[0]: default})
+    for other in (("offline", "", ""), (ui_page.CUSTOM, str(target), str(draft))):
+        first = ui_page.get_pair(ui_page.CUSTOM, str(target), str(draft), "float32")
+        models = [weakref.ref(first.target), weakref.ref(first.draft)]
+        assert ui_page.get_pair(ui_page.CUSTOM, str(target), str(draft), "float32") is first  # kept while asked for
+        del first
+        ui_page.get_pair(*other, "auto" if other[0] == "offline" else "float64")  # the default; another dtype
+        assert [m() for m in models] == [None, None], other
+    assert list(ui_page._pairs.values())[0] is default and len(ui_page._pairs) == 2

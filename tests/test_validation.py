@@ -66,7 +66,25 @@ def test_a_missing_folder_is_named_before_any_model_loads(monkeypatch, tmp_path)
             resolve_model_path(ref)
     monkeypatch.setattr(loading, "hub_reachable", lambda: True)
     assert resolve_model_path("org/model-name") == "org/model-name"  # a hub id is left to the hub
+
+
+def test_a_path_that_holds_no_model_is_told_one_sentence_whatever_is_there(tmp_path):
+    """A server's visitor learns nothing of which paths exist: a missing path, a folder of other things and a
+    folder that fails to load are all 'no model folder at …' (what failed goes to the console)."""
+    import torch
+
+    from specviz.models.loading import load_model
+
+    said = []
+    for folder in ("/etc", str(tmp_path), str(tmp_path / "missing")):
+        with pytest.raises(ValueError, match=f"^no model folder at {re.escape(folder)}: "):
+            load_model(folder, torch.device("cpu"), torch.float32, said.append)
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("not json")
+    with pytest.raises(ValueError, match=f"^no model folder at {re.escape(str(tmp_path))}: "):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32, said.append)
+    assert said[-1].startswith(f"loading {tmp_path} failed: ")
 
 
 def test_a_hub_id_fails_at_once_where_the_hub_cannot_be_reached(monkeypatch, tmp_path):

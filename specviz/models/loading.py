@@ -375,11 +375,23 @@ def resolve_model_path(ref: str, progress: Progress = _quiet) -> str:
         return str(OFFLINE_MODELS[ref](progress))
     if ref.startswith("offline:"):
         raise ValueError(f"unknown offline model {ref!r}; known: {', '.join(OFFLINE_MODELS)}")
-    if ref.startswith(("/", "./", "../", "~")) and not Path(ref).expanduser().is_dir():  # a path, not a hub id
-        raise ValueError(f"no model folder at {ref}: a local model is a directory with config.json and weights")
-    if Path(ref).expanduser().is_dir():
-        return str(Path(ref).expanduser())
+    folder = Path(ref).expanduser()
+    if _local(ref):
+        if not (folder / "config.json").is_file():  # one answer for a missing path, a file and any other folder
+            raise ValueError(not_a_model_folder(ref))
+        return str(folder)
     return _from_hub(ref)
+
+
+def _local(ref: str) -> bool:
+    """A path, not a hub id."""
+    return ref.startswith(("/", "./", "../", "~")) or Path(ref).expanduser().is_dir()
+
+
+def not_a_model_folder(ref: str) -> str:
+    """What a local path that does not load as a model is told, whatever is there: a server's visitor learns
+    nothing of which paths exist (the reason goes to the server's console)."""
+    return f"no model folder at {ref}: a local model is a directory with config.json, a tokenizer and weights"
 
 
 def _from_hub(ref: str) -> str:
@@ -432,7 +444,10 @@ def load_model(ref: str, device: torch.device, dtype: torch.dtype, progress: Pro
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=False, **({"device_map": "auto"} if spread else {})
         )
-    except OSError as err:
+    except (OSError, ValueError) as err:
+        if _local(ref):  # what failed goes to the console only
+            progress(f"loading {ref} failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            raise ValueError(not_a_model_folder(ref)) from None
         raise ValueError(
             f"could not load model {ref!r}: {err}. A hub id needs the model hub (or its files "
             "in the local HF cache); a local path needs config.json and weights."

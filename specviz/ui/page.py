@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import logging
 import math
 import os
@@ -243,16 +244,19 @@ def pair_loaded(preset: str, custom_target: str, custom_draft: str, dtype: str =
 
 
 def get_pair(preset: str, custom_target: str, custom_draft: str, dtype: str = "auto") -> ModelPair:
-    """Load a pair once and keep it: the default preset, plus the last other pair (or dtype) asked for."""
+    """Load a pair once and keep it: the default preset, plus the pair (or dtype) asked for last. Any other is let go
+    as soon as another is asked for, the default included, so memory goes back to what the default takes."""
     key, kwargs = _pair_key(preset, custom_target, custom_draft, dtype)
+    default = _pair_key("offline", "", "", "auto")[0]
     with _pairs_lock:
+        gone = [k for k in _pairs if k not in (default, key)]
+        for old in gone:
+            del _pairs[old]
+        if gone:
+            gc.collect()  # the models' cycles (modules, hooks) would otherwise wait for the next collection
         if key not in _pairs:
             kwargs["progress"] = log.info  # converting, measuring kernels: on the server's console
-            pair = load_pair(*key[:2], **kwargs) if preset == CUSTOM else load_pair(**kwargs)
-            default = _pair_key("offline", "", "", "auto")[0]
-            for old in [k for k in _pairs if k != default]:
-                del _pairs[old]  # keep memory bounded: one non-default pair at a time
-            _pairs[key] = pair
+            _pairs[key] = load_pair(*key[:2], **kwargs) if preset == CUSTOM else load_pair(**kwargs)
         return _pairs[key]
 
 
