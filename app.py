@@ -51,7 +51,8 @@ from specviz.ui.view import OUTPUT_NAMES, STEP_HINT, empty_charts
 from specviz.view.rendering import BASELINE_KINDS, CSS, SPECULATIVE_KINDS, legend_html
 
 log = logging.getLogger("specviz")
-# The key n presses Next ▸, except while typing in a field.
+# The key n presses Next ▸, except while typing in a field. A number typed outside a slider's range is set to the
+# nearest end by Gradio when the box is left; the page says so where everyone sees it (#sv-corrected), before a Run.
 PAGE_JS = """() => {
   document.addEventListener("keydown", (e) => {
     const t = e.target;
@@ -60,6 +61,26 @@ PAGE_JS = """() => {
     const next = document.getElementById("next-btn");
     if (next) { e.preventDefault(); next.click(); }
   });
+  const tell = (t) => {
+    if (!t || t.type !== "number" || t.min === "" || t.max === "") return;
+    const v = parseFloat(t.value), lo = parseFloat(t.min), hi = parseFloat(t.max);
+    if (isNaN(v) || (v >= lo && v <= hi)) return;
+    const name = (t.getAttribute("aria-label") || "this box").replace("number input for ", "");
+    let note = document.getElementById("sv-corrected");
+    if (!note) {
+      note = document.createElement("div");
+      note.id = "sv-corrected"; note.setAttribute("role", "alert");
+      document.body.appendChild(note);
+    }
+    const end = v < lo ? lo : hi;
+    note.textContent = `${name}: ${v} is ${v < lo ? "below the least" : "above the most"} it takes, ${end}; ` +
+      `set to ${end}.`;
+    note.hidden = false;
+    clearTimeout(window.svCorrected);
+    window.svCorrected = setTimeout(() => { note.hidden = true; }, 12000);
+  };
+  document.addEventListener("change", (e) => tell(e.target), true);
+  document.addEventListener("keydown", (e) => { if (e.key === "Enter") tell(e.target); }, true);
 }"""
 # Projector mode: large type through a class on the page, kept in the URL (?projector=1).
 PROJECTOR_JS = """(on) => {
@@ -78,6 +99,23 @@ SAMPLING = ("gamma", "temperature", "top_k", "top_p", "seed")
 EXACT_FIELDS = ("prompt", *PAIR, *SAMPLING, "drafter", "draft_greedy")
 BATCH_FIELDS = ("batch_prompts", *PAIR, *SAMPLING, "max_new_tokens", "drafter", "gamma_policy", "cache", "compiled",
                 *TREE)
+
+
+def bounded(slider: gr.Slider) -> gr.Slider:
+    """The slider, refusing a value outside its range in one sentence naming the control (the API's caller reads
+    it; the console gets one line, not Gradio's traceback). Its own preprocess, not a subclass: Gradio writes a
+    stub file beside any module that subclasses a component."""
+    plain = slider.preprocess
+
+    def preprocess(payload):
+        if isinstance(payload, int | float) and not slider.minimum <= payload <= slider.maximum:
+            log.info("refused %s = %r", slider.label, payload)
+            raise gr.Error(f"{slider.label}: {payload} is outside [{slider.minimum:g}, {slider.maximum:g}]",
+                           print_exception=False)
+        return plain(payload)
+
+    slider.preprocess = preprocess
+    return slider
 
 
 def reads(names: tuple[str, ...], handler):
@@ -135,13 +173,14 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
             preset = gr.Dropdown([*PRESETS] if PUBLIC else [*PRESETS, CUSTOM], value="offline", label="Model pair")
             drafter = gr.Dropdown(DRAFTER_CHOICES, value=FIRST_RUN.drafter, label="Drafter", elem_id="drafter")
     with gr.Row():
-        gamma = gr.Slider(1, MAX_GAMMA_UI, value=FIRST_RUN.gamma, step=1, label="γ (drafts per round)", min_width=160)
-        temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)", min_width=160)
-        max_new_tokens = gr.Slider(1, MAX_TOKENS_UI, value=64, step=1, label="max new tokens", min_width=160)
-        branch = gr.Slider(1, MAX_BRANCH, value=FIRST_RUN.branch, step=1, elem_id="branch", min_width=160,
-                           label="children per draft (1 = a chain)")
-        nodes = gr.Slider(0, MAX_NODES_UI, value=FIRST_RUN.nodes, step=1, elem_id="nodes", min_width=160,
-                          label="tree: drafts verified (0 = all)")
+        gamma = bounded(gr.Slider(1, MAX_GAMMA_UI, value=FIRST_RUN.gamma, step=1, label="γ (drafts per round)",
+                                  min_width=160))
+        temperature = bounded(gr.Slider(0, 2, value=0, step=0.05, label="temperature (0 = greedy)", min_width=160))
+        max_new_tokens = bounded(gr.Slider(1, MAX_TOKENS_UI, value=64, step=1, label="max new tokens", min_width=160))
+        branch = bounded(gr.Slider(1, MAX_BRANCH, value=FIRST_RUN.branch, step=1, elem_id="branch", min_width=160,
+                                   label="children per draft (1 = a chain)"))
+        nodes = bounded(gr.Slider(0, MAX_NODES_UI, value=FIRST_RUN.nodes, step=1, elem_id="nodes", min_width=160,
+                                  label="tree: drafts verified (0 = all)"))
     with gr.Accordion("More settings and example prompts", open=False):
         with gr.Row():
             custom_target = gr.Textbox(label="Custom target (hub id or local dir)", visible=False)
@@ -151,7 +190,7 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
                                        elem_id="gamma-policy",
                                        info=f"adaptive policies start at γ and draft at most {GAMMA_MAX_ADAPTIVE}")
             top_k = gr.Number(0, label="top-k (0 = off)", precision=0)
-            top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="top-p")
+            top_p = bounded(gr.Slider(0.05, 1, value=1, step=0.05, label="top-p"))
             seed = gr.Number(0, label="seed", precision=0)
         with gr.Row():
             compare = gr.Checkbox(True, label="compare with baseline")

@@ -349,3 +349,20 @@ def test_a_custom_pair_is_let_go_when_another_is_asked_for(monkeypatch, pattern_
         ui_page.get_pair(*other, "auto" if other[0] == "offline" else "float64")  # the default; another dtype
         assert [m() for m in models] == [None, None], other
     assert list(ui_page._pairs.values())[0] is default and len(ui_page._pairs) == 2
+
+
+def test_a_value_out_of_range_is_refused_in_one_sentence_and_one_console_line(app_url, capfd, caplog):
+    """Over the API, a slider's value out of range is refused naming the control and its range; the server's
+    console gets one line for it, not a traceback."""
+    import logging
+
+    client = Client(app_url, verbose=False)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="specviz"), pytest.raises(AppError) as refused:
+        call(client, gamma=1000000)
+    from specviz.ui.page import MAX_GAMMA_UI
+
+    assert f"γ (drafts per round): 1000000 is outside [1, {MAX_GAMMA_UI}]" in str(refused.value)
+    assert "Traceback" not in capfd.readouterr().err
+    assert [r.getMessage() for r in caplog.records if "refused" in r.getMessage()] == [
+        "refused γ (drafts per round) = 1000000"]

@@ -258,6 +258,34 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
         browser.close()
 
 
+def test_a_number_out_of_range_is_said_where_it_is_set_not_silently_clamped(app_url):
+    """A number typed outside a slider's range is set to the range's end when the box is left, and the page says so
+    in a line everyone sees, before any Run."""
+    from playwright.sync_api import sync_playwright
+
+    from specviz.ui.page import MAX_GAMMA_UI
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.goto(app_url, wait_until="domcontentloaded")
+        page.locator("#run-btn").wait_for(timeout=60_000)
+        note = page.locator("#sv-corrected")
+        for name, typed, said, end in (("γ (drafts per round)", "1000000", "above the most", str(MAX_GAMMA_UI)),
+                                       ("temperature (0 = greedy)", "-3", "below the least", "0")):
+            box = page.get_by_role("spinbutton", name=f"number input for {name}")
+            box.fill(typed)
+            box.press("Tab")
+            page.wait_for_function(f"document.querySelector('#sv-corrected')?.innerText.startsWith({name!r})",
+                                   timeout=10_000)
+            assert note.inner_text() == f"{name}: {typed} is {said} it takes, {end}; set to {end}.", note.inner_text()
+            assert note.is_visible()
+            page.wait_for_function(f"document.querySelector('[aria-label=\"number input for {name}\"]').value "
+                                   f"== {end!r}", timeout=10_000)  # the box shows what a Run will use
+        browser.close()
+
+
 SAMPLE_SHOT = SCREENSHOT.with_name("sample-check.png")
 
 

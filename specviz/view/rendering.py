@@ -93,6 +93,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 # Token text is untrusted model output: every piece goes through html.escape.
 
 CSS = """
+#sv-corrected { position: fixed; top: 12px; left: 50%; transform: translateX(-50%); z-index: 1000; padding: 10px 18px;
+  background: #fff3cd; color: #5c4400; border: 1px solid #e0c36b; border-radius: 6px; font-size: 16px; }
+.sv-projector #sv-corrected { font-size: 28px; }
 .sv-stream { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.9; font-size: 15px; }
 .sv-tok { border-radius: 3px; padding: 1px 0; cursor: help; }
 .sv-accepted { background: #d9f2e1; color: #145a32; }
