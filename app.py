@@ -52,7 +52,8 @@ from specviz.view.rendering import BASELINE_KINDS, CSS, SPECULATIVE_KINDS, legen
 
 log = logging.getLogger("specviz")
 # The key n presses Next ▸, except while typing in a field. A number typed outside a slider's range is set to the
-# nearest end by Gradio when the box is left; the page says so where everyone sees it (#sv-corrected), before a Run.
+# nearest end by Gradio when the box is left; the page says so where everyone sees it (#sv-corrected), before a Run,
+# as it says why a trace over the upload limit is refused.
 PAGE_JS = """() => {
   document.addEventListener("keydown", (e) => {
     const t = e.target;
@@ -61,27 +62,37 @@ PAGE_JS = """() => {
     const next = document.getElementById("next-btn");
     if (next) { e.preventDefault(); next.click(); }
   });
+  const say = (text, stays) => {  // stays: until clicked (Gradio's own toast leaves a bare "Error" behind)
+    let note = document.getElementById("sv-corrected");
+    if (!note) {
+      note = document.createElement("div");
+      note.id = "sv-corrected"; note.setAttribute("role", "alert"); note.title = "click to close";
+      note.addEventListener("click", () => { note.hidden = true; });
+      document.body.appendChild(note);
+    }
+    note.textContent = text;
+    note.hidden = false;
+    clearTimeout(window.svCorrected);
+    if (!stays) window.svCorrected = setTimeout(() => { note.hidden = true; }, 12000);
+  };
   const tell = (t) => {
+    if (t && t.type === "file") {  // Gradio refuses a file over its limit with a bare "Error": say why first
+      const big = Array.from(t.files || []).find((f) => f.size > LIMIT_MB * 1048576);
+      const mb = big && (big.size / 1048576).toFixed(1);
+      if (big) say(`${big.name} is ${mb} MB; a trace may be at most ${LIMIT_MB} MB.`, true);
+      return;
+    }
     if (!t || t.type !== "number" || t.min === "" || t.max === "") return;
     const v = parseFloat(t.value), lo = parseFloat(t.min), hi = parseFloat(t.max);
     if (isNaN(v) || (v >= lo && v <= hi)) return;
     const name = (t.getAttribute("aria-label") || "this box").replace("number input for ", "");
-    let note = document.getElementById("sv-corrected");
-    if (!note) {
-      note = document.createElement("div");
-      note.id = "sv-corrected"; note.setAttribute("role", "alert");
-      document.body.appendChild(note);
-    }
     const end = v < lo ? lo : hi;
-    note.textContent = `${name}: ${v} is ${v < lo ? "below the least" : "above the most"} it takes, ${end}; ` +
-      `set to ${end}.`;
-    note.hidden = false;
-    clearTimeout(window.svCorrected);
-    window.svCorrected = setTimeout(() => { note.hidden = true; }, 12000);
+    say(`${name}: ${v} is ${v < lo ? "below the least" : "above the most"} it takes, ${end}; set to ${end}.`);
   };
   document.addEventListener("change", (e) => tell(e.target), true);
   document.addEventListener("keydown", (e) => { if (e.key === "Enter") tell(e.target); }, true);
-}"""
+  document.body.dataset.svReady = "1";  // Gradio runs this once the page is mounted: a test waits for it
+}""".replace("LIMIT_MB", str(MAX_TRACE_MB))
 # Projector mode: large type through a class on the page, kept in the URL (?projector=1).
 PROJECTOR_JS = """(on) => {
   document.body.classList.toggle("sv-projector", on);

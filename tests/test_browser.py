@@ -258,11 +258,12 @@ def test_step_mode_walks_a_round_stage_by_stage_and_projector_mode_persists(app_
         browser.close()
 
 
-def test_a_number_out_of_range_is_said_where_it_is_set_not_silently_clamped(app_url):
+def test_a_number_out_of_range_or_a_trace_too_large_is_said_where_it_is_set(app_url, tmp_path):
     """A number typed outside a slider's range is set to the range's end when the box is left, and the page says so
-    in a line everyone sees, before any Run."""
+    in a line everyone sees, before any Run; a trace over the upload limit is refused saying its size and the limit."""
     from playwright.sync_api import sync_playwright
 
+    from specviz.core.events import MAX_TRACE_MB
     from specviz.ui.page import MAX_GAMMA_UI
 
     with sync_playwright() as pw:
@@ -270,7 +271,7 @@ def test_a_number_out_of_range_is_said_where_it_is_set_not_silently_clamped(app_
                                      args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
         page.goto(app_url, wait_until="domcontentloaded")
-        page.locator("#run-btn").wait_for(timeout=60_000)
+        page.wait_for_function("document.body.dataset.svReady === '1'", timeout=60_000)  # the page's script runs
         note = page.locator("#sv-corrected")
         for name, typed, said, end in (("γ (drafts per round)", "1000000", "above the most", str(MAX_GAMMA_UI)),
                                        ("temperature (0 = greedy)", "-3", "below the least", "0")):
@@ -283,6 +284,17 @@ def test_a_number_out_of_range_is_said_where_it_is_set_not_silently_clamped(app_
             assert note.is_visible()
             page.wait_for_function(f"document.querySelector('[aria-label=\"number input for {name}\"]').value "
                                    f"== {end!r}", timeout=10_000)  # the box shows what a Run will use
+        # a trace over the upload limit: the page says how large it is and what the limit is
+        big = tmp_path / "big-trace.json"
+        big.write_bytes(b" " * ((MAX_TRACE_MB + 3) * 2**20))
+        page.get_by_role("tab", name="Trace: download or replay").click()
+        page.locator('input[type="file"]').first.set_input_files(str(big))
+        page.wait_for_function("document.querySelector('#sv-corrected')?.innerText.startsWith('big-trace')",
+                               timeout=10_000)
+        said = f"big-trace.json is {MAX_TRACE_MB + 3}.0 MB; a trace may be at most {MAX_TRACE_MB} MB."
+        assert note.inner_text() == said
+        page.wait_for_timeout(13_000)  # past the time a corrected number's note shows: this one stays
+        assert note.is_visible() and note.inner_text() == said
         browser.close()
 
 
