@@ -198,3 +198,24 @@ def test_a_new_drafter_plugs_in_with_one_registry_line(pattern_pair, monkeypatch
     base = generate(pair, "", settings, prompt_ids=words(1, 2, 3), mode="baseline")
     assert spec.meta.draft == "repeat the last token" and spec.n_drafted > 0
     assert spec.token_ids == base.token_ids
+
+
+def test_prompt_lookup_copies_no_control_token(random_pair):
+    """The chat template puts its markers after text an answer often repeats ('The future of AI<|im_end|>'): a copy
+    stops before any special token, so lookup drafts text only, alone or before the head."""
+    from specviz.core.drafters import LookupFirstDrafter, PromptLookupDrafter
+    from specviz.core.generator import control_ids
+
+    stop = 99
+    seq = [5, 6, 7, stop, 8, 9, 5, 6, 7]  # "5 6 7" recurs; before, it was followed by the control token
+    params, gens = SamplingParams(0.0), [torch.Generator()]
+    plain = PromptLookupDrafter(120, 3, 3).propose([seq], [3], params, gens)[0]
+    assert plain.tokens.tolist() == [stop, 8, 9]
+    stopped = PromptLookupDrafter(120, 3, 3, stop_ids=frozenset({stop})).propose([seq], [3], params, gens)[0]
+    assert stopped.tokens.tolist() == []  # nothing left to copy: the round is the fallback's
+    assert PromptLookupDrafter(120, 3, 3, stop_ids=frozenset({9})).propose([seq], [3], params, gens)[0] \
+        .tokens.tolist() == [stop, 8]
+    tokenizer = random_pair.tokenizer
+    assert set(tokenizer.all_special_ids) <= control_ids(tokenizer)
+    drafter = LookupFirstDrafter(PromptLookupDrafter(120), 120, stop_ids=frozenset({stop}))
+    assert drafter.lookup.stop_ids == {stop}

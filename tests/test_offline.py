@@ -31,6 +31,17 @@ def test_offline_greedy_equals_baseline(offline_fp32, prompt):
     assert spec.n_tokens == 24 or spec.finish_reason == "eos"
 
 
+def test_prompt_lookup_drafts_no_control_token_on_the_offline_pair(offline_fp32):
+    """The answer to "The future of AI" starts by repeating the prompt, which the chat template follows with
+    <|im_end|>: lookup copies the text, never the template's markers."""
+    special = set(offline_fp32.tokenizer.all_special_ids)
+    for drafter in ("lookup", "lookup+eagle"):
+        run = generate(offline_fp32, "The future of AI", Settings(gamma=3, drafter=drafter, max_new_tokens=24))
+        copied = [t.id for e in run.events if e.drafted_by == "lookup" or drafter == "lookup" for t in e.drafted]
+        assert not special & set(copied), drafter
+        assert copied or drafter != "lookup"
+
+
 def test_offline_pair_loads_in_the_dtype_asked_for():
     pair = load_pair(preset="offline", device="cpu", dtype="bfloat16")
     assert pair.dtype == torch.bfloat16

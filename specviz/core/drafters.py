@@ -456,21 +456,28 @@ class PromptLookupDrafter(StatelessDrafter):
     is deterministic, so q is one-hot: the rule keeps d with probability p(d), and on a
     rejection samples from p with d removed, renormalised; exact, like the draft-model path.
     No match: an empty proposal, and the round is a plain target step. No state, no model; the
-    search runs on the host's copy of the text, so it never waits for the device.
+    search runs on the host's copy of the text, so it never waits for the device. A copy stops before
+    any of `stop_ids`, the chat template's control tokens: the prompt's template puts them after text
+    the answer often repeats, and the target does not write them mid-answer.
     """
 
     name = "prompt lookup"
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, device: torch.device | str = "cpu"):
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, device: torch.device | str = "cpu",
+                 stop_ids: frozenset[int] = frozenset()):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.vocab_size, self.device = vocab_size, device
+        self.vocab_size, self.device, self.stop_ids = vocab_size, device, stop_ids
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def _copy(self, seq: list[int], gamma: int) -> list[int]:
+        copied = lookup_continuation(seq, gamma, self.max_ngram, self.min_ngram) if gamma else []
+        stop = next((i for i, token in enumerate(copied) if token in self.stop_ids), len(copied))
+        return copied[:stop]
 
     def propose(self, seqs: list[list[int]], gammas: list[int], params: SamplingParams,
                 generators: list[torch.Generator]) -> list[Proposal]:
-        copies = [lookup_continuation(seq, gamma, self.max_ngram, self.min_ngram) if gamma else []
-                  for seq, gamma in zip(seqs, gammas, strict=True)]
+        copies = [self._copy(seq, gamma) for seq, gamma in zip(seqs, gammas, strict=True)]
         every = on_device(sum(copies, []), self.device, torch.long)  # all rows' drafts in one copy
         out, first = [], 0
         for copied in copies:
@@ -496,9 +503,9 @@ class LookupFirstDrafter:
     """
 
     def __init__(self, fallback: Drafter, vocab_size: int, device: torch.device | str = "cpu", min_ngram: int = 3,
-                 max_ngram: int = 4):
+                 max_ngram: int = 4, stop_ids: frozenset[int] = frozenset()):
         self.fallback, self.requires_hidden = fallback, fallback.requires_hidden
-        self.lookup = PromptLookupDrafter(vocab_size, max_ngram, min_ngram, device)
+        self.lookup = PromptLookupDrafter(vocab_size, max_ngram, min_ngram, device, stop_ids)
         self.name = lookup_first_name(fallback.name)
 
     def start(self, prompts: list[list[int]], hidden: torch.Tensor | None) -> None:

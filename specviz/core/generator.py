@@ -261,6 +261,12 @@ def _head_name(pair: ModelPair) -> str:
     return f"EAGLE head {pair.head_name}" + (f" ({origin})" if origin else "")
 
 
+def control_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's special tokens (the chat template's markers, end-of-text): prompt lookup copies none."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
 def _head(pair: ModelPair, settings: Settings, capacity: int) -> EagleDrafter:
     return EagleDrafter(pair.head, pair.vocab_size, pad_id(pair), capacity, _head_name(pair), settings.branch,
                         settings.nodes, settings.compile)
@@ -270,13 +276,15 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind("draft model", lambda pair: pair.draft_name, lambda pair, s, capacity: DraftModelDrafter(
         pair.draft, pair.vocab_size, pad_id(pair), s.cache, capacity, s.compile)),
     "lookup": DrafterKind("prompt lookup (copies from the prompt, no model)", lambda pair: PromptLookupDrafter.name,
-                          lambda pair, s, capacity: PromptLookupDrafter(pair.vocab_size, device=pair.device)),
+                          lambda pair, s, capacity: PromptLookupDrafter(pair.vocab_size, device=pair.device,
+                                                                        stop_ids=control_ids(pair.tokenizer))),
     "eagle": DrafterKind("EAGLE head (reads the target's hidden states)", _head_name,
                          _head, needs_head=True, trees=True),
     "lookup+eagle": DrafterKind("prompt lookup, else EAGLE head",  # lookup where the text repeats
                                 lambda pair: lookup_first_name(_head_name(pair)),
-                                lambda pair, s, capacity: LookupFirstDrafter(_head(pair, s, capacity),
-                                                                             pair.vocab_size, pair.device),
+                                lambda pair, s, capacity: LookupFirstDrafter(
+                                    _head(pair, s, capacity), pair.vocab_size, pair.device,
+                                    stop_ids=control_ids(pair.tokenizer)),
                                 needs_head=True, trees=True),
 }
 HEAD_DRAFTERS = tuple(name for name, kind in DRAFTER_KINDS.items() if kind.needs_head)
