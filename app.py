@@ -54,7 +54,7 @@ log = logging.getLogger("specviz")
 # The key n presses Next ▸, except while typing in a field. A number typed outside a slider's range is set to the
 # nearest end by Gradio when the box is left; the page says so where everyone sees it (#sv-corrected), before a Run,
 # as it says why a trace over the upload limit is refused.
-PAGE_JS = """() => {
+PAGE_JS = r"""() => {
   document.addEventListener("keydown", (e) => {
     const t = e.target;
     if (e.key !== "n" || e.ctrlKey || e.metaKey || e.altKey) return;
@@ -91,6 +91,15 @@ PAGE_JS = """() => {
   };
   document.addEventListener("change", (e) => tell(e.target), true);
   document.addEventListener("keydown", (e) => { if (e.key === "Enter") tell(e.target); }, true);
+  // Gradio's "queue: 2/3 | 4.1/1.2s": the place in words; its estimate (the average call's time, not the runs ahead)
+  // left out, the time waited so far kept
+  new MutationObserver(() => {
+    for (const t of document.querySelectorAll("#status .progress-text")) {
+      const m = t.textContent.match(/^queue: (\d+)\/(\d+) \| ([\d.]+)/);
+      if (m) t.textContent = `Waiting for the run${m[1] === "1" ? "" : "s"} ahead: place ${m[1]} of ${m[2]} ` +
+        `in the queue, ${m[3]} s so far.`;
+    }
+  }).observe(document.body, {subtree: true, childList: true, characterData: true});
   document.body.dataset.svReady = "1";  // Gradio runs this once the page is mounted: a test waits for it
 }""".replace("LIMIT_MB", str(MAX_TRACE_MB))
 # Projector mode: large type through a class on the page, kept in the URL (?projector=1).

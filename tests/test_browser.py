@@ -298,6 +298,38 @@ def test_a_number_out_of_range_or_a_trace_too_large_is_said_where_it_is_set(app_
         browser.close()
 
 
+def test_a_waiting_page_shows_its_place_in_the_queue_in_the_pages_type(app_url):
+    """While one viewer's run holds the model, a second viewer's page says, in words and in a line that has height
+    (in projector type: large), that it waits and at which place."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        pages = []
+        for url in (app_url, app_url + "?projector=1"):
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            page.goto(url, wait_until="domcontentloaded")
+            page.wait_for_function("document.body.dataset.svReady === '1'", timeout=60_000)
+            pages.append(page)
+        first, waiting = pages
+        set_number(first, "max new tokens", "400")
+        first.locator("#run-btn").click()
+        first.wait_for_function("/round/.test(document.querySelector('#status').innerText)", timeout=120_000)
+        waiting.locator("#run-btn").click()
+        place = waiting.locator("#status .progress-text")
+        waiting.wait_for_function("/^Waiting for the run ahead: place 1 of 1 in the queue, [\\d.]+ s so far\\.$/"
+                                  ".test(document.querySelector('#status .progress-text')?.textContent)",
+                                  timeout=30_000)
+        box = place.bounding_box()
+        assert place.is_visible() and box["height"] >= 24 and box["y"] + box["height"] <= 720, box
+        assert float(waiting.evaluate("getComputedStyle(document.querySelector('#status .progress-text')).fontSize"
+                                      ".replace('px', '')")) >= 24
+        first.locator("#stop-btn").click()
+        waiting.wait_for_function("/done|Stopped/.test(document.querySelector('#status').innerText)", timeout=120_000)
+        browser.close()
+
+
 SAMPLE_SHOT = SCREENSHOT.with_name("sample-check.png")
 
 

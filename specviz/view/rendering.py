@@ -96,6 +96,15 @@ CSS = """
 #sv-corrected { position: fixed; top: 12px; left: 50%; transform: translateX(-50%); z-index: 1000; padding: 10px 18px;
   background: #fff3cd; color: #5c4400; border: 1px solid #e0c36b; border-radius: 6px; font-size: 16px; }
 .sv-projector #sv-corrected { font-size: 28px; }
+/* Gradio shows a waiting page's place in the queue over the status box, in a wrapper as high as the box: before a
+   first run the box is empty, and the place had no height at all. It gets a line of its own, in the page's type */
+#status { min-height: 1.6em; }
+#status .wrap.minimal { position: static !important; height: auto !important; overflow: visible !important;
+  justify-content: flex-start !important; }
+#status .progress-text { font-size: 16px; background: #fff3cd; color: #5c4400; padding: 4px 10px; border-radius: 4px; }
+body.sv-projector #status, body.sv-projector #status .progress-text { font-size: 26px !important; }
+body.sv-projector label span, body.sv-projector input, body.sv-projector button, body.sv-projector textarea {
+  font-size: 20px !important; }
 .sv-stream { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.9; font-size: 15px; }
 .sv-tok { border-radius: 3px; padding: 1px 0; cursor: help; }
 .sv-accepted { background: #d9f2e1; color: #145a32; }
