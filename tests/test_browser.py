@@ -1,5 +1,6 @@
 """A real browser (Debian's chromium, driven by Playwright) runs the app on the offline pair."""
 
+import itertools
 import os
 import re
 import shutil
@@ -327,6 +328,52 @@ def test_a_waiting_page_shows_its_place_in_the_queue_in_the_pages_type(app_url):
                                       ".replace('px', '')")) >= 24
         first.locator("#stop-btn").click()
         waiting.wait_for_function("/done|Stopped/.test(document.querySelector('#status').innerText)", timeout=120_000)
+        browser.close()
+
+
+def test_projector_type_shows_a_rounds_stream_table_and_tree_on_one_screen(app_url):
+    """In projector type at 1280x720, a stepped tree round's stream, table and tree fit one screen, and the tree's
+    legend entries do not run into each other (screenshots at 1280x720 and 1920x1080 for the README)."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from specviz.ui.page import first_run_values
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(app_url + "?projector=1", wait_until="domcontentloaded")
+        page.wait_for_function("document.body.dataset.svReady === '1'", timeout=60_000)
+        _, _, branch, _, note = first_run_values("offline")
+        expect(page.locator('#branch input[type="number"]')).to_have_value(str(branch), timeout=30_000)
+        if note:  # the page's opening call has set the controls (after it, what is set here stays)
+            page.wait_for_function("/This machine's choice/.test(document.querySelector('#status').innerText)",
+                                   timeout=30_000)
+        for name, value in (("children per draft (1 = a chain)", "3"), ("tree: drafts verified (0 = all)", "5")):
+            set_number(page, name, value)
+        page.locator("#step-btn").click()
+        page.wait_for_function("document.querySelector('#stage-view .sv-stage-caption')", timeout=120_000)
+        page.locator("body").click(position={"x": 5, "y": 5})
+        while not last_stage(page):
+            before = page.locator(CAPTION).inner_text()
+            page.keyboard.press("n")
+            page.wait_for_function(f"document.querySelector('{CAPTION}').innerText !== {before!r}", timeout=60_000)
+        assert "tree" in page.locator("#chart-tree .gtitle").text_content()
+        page.locator("#spec-stream").evaluate("e => e.scrollIntoView()")
+        page.wait_for_timeout(500)
+        stream, table, tree = (page.locator(s).bounding_box() for s in ("#spec-stream", "#stage-view", "#chart-tree"))
+        assert stream["y"] >= 0 and table["y"] > stream["y"] and tree["y"] + tree["height"] <= 720, (stream, tree)
+        caption = page.locator(CAPTION).bounding_box()  # the caption wraps inside the page
+        assert caption["x"] + caption["width"] <= 1280 and caption["height"] > 40, caption
+        entries = sorted((b["x"], b["x"] + b["width"]) for b in (
+            page.locator("#chart-tree .legend .traces").nth(i).bounding_box()
+            for i in range(page.locator("#chart-tree .legend .traces").count())))
+        assert len(entries) >= 3 and all(a[1] <= b[0] + 1 for a, b in itertools.pairwise(entries)), entries
+        page.screenshot(path=str(SCREENSHOT.with_name("projector-1280x720.png")))
+        page.set_viewport_size({"width": 1920, "height": 1080})
+        page.locator("#spec-stream").evaluate("e => e.scrollIntoView()")
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(SCREENSHOT.with_name("projector-1920x1080.png")))
         browser.close()
 
 

@@ -284,10 +284,10 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
             hover.append(f"{_token(t.text)}, depth {depth[i]}: {name}<br>p = {t.p:.3f}, q = {t.q:.3f}, {test}{path}")
         traces.append({"type": "scatter", "mode": "markers+text", "name": name, "x": [x[i] for i in nodes],
                        "y": [y[i] for i in nodes], "text": [_short(event.drafted[i].text) for i in nodes],
-                       "textposition": "top center", "hovertext": hover, "hoverinfo": "text",
+                       "textposition": "top center", "cliponaxis": False, "hovertext": hover, "hoverinfo": "text",
                        "marker": {"color": colour[name], "size": 14, "line": {"color": "white", "width": 1}}})
     root = {"type": "scatter", "mode": "markers+text", "name": "last kept token", "x": [0], "y": [y[-1]],
-            "text": ["▸"], "textposition": "top center", "hoverinfo": "text",
+            "text": ["▸"], "textposition": "top center", "cliponaxis": False, "hoverinfo": "text",
             "hovertext": ["the last kept token: every draft continues from here"],
             "marker": {"color": "#444444", "size": 10, "symbol": "diamond"}}
     traces.append(root)
@@ -295,7 +295,8 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
         extra = event.extra
         traces.append({"type": "scatter", "mode": "markers+text", "name": extra.kind, "x": [x["extra"]],
                        "y": [y["extra"]], "text": [_short(extra.text)], "textposition": "top center",
-                       "hoverinfo": "text", "hovertext": [f"{_token(extra.text)}: {extra.kind}, p = {extra.p:.3f}"],
+                       "cliponaxis": False, "hoverinfo": "text",
+                       "hovertext": [f"{_token(extra.text)}: {extra.kind}, p = {extra.p:.3f}"],
                        "marker": {"color": COLOURS.get(extra.kind, COLOURS["correction"]), "size": 14,
                                   "symbol": "star"}})
     kind = f"tree {depth_of(event)} deep" if event.parents else "chain"
@@ -304,7 +305,7 @@ def token_tree(event: RoundEvent | None, shown: int | None = None, decided: int 
              if event.drafted else f"Round {event.index + 1}: nothing drafted")
     hidden = {"showgrid": False, "zeroline": False}
     low, high = min(y.values()), max(y.values())
-    return _figure(traces, title, "", "", "tree", height=max(260, 40 * leaves[0] + 110),
+    return _figure(traces, title, "", "", "tree", height=max(230, 40 * leaves[0] + 100),
                    yaxis={"visible": False, "range": [low - 0.5, high + 0.7], **hidden},
                    xaxis={"title": {"text": "depth (drafts after the last kept token)"}, "dtick": 1,
                           "range": [-0.4, max(x.values()) + 0.6], **hidden},

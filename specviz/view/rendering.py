@@ -124,13 +124,14 @@ body.sv-projector label span, body.sv-projector input, body.sv-projector button,
 .sv-split-head { font-weight: 600; margin-bottom: 4px; }
 .sv-split-label { font-size: 13px; color: #444; margin-top: 4px; }
 .sv-split-bar { display: flex; height: 22px; background: #f6f6f6; border-radius: 3px; overflow: hidden; }
-.sv-stage { display: inline-block; flex: none; font-size: 11px; line-height: 22px; color: #fff; overflow: hidden;
+.sv-part { display: inline-block; flex: none; font-size: 11px; line-height: 22px; color: #fff; overflow: hidden;
             white-space: nowrap; text-align: center; }
 .sv-split-keys { margin-top: 6px; line-height: 2; }
 .sv-split-keys .sv-key { padding: 0 6px; border-radius: 3px; margin-right: 4px; }
-.sv-stage-draft { background: #8e44ad; } .sv-stage-verify { background: #2e86c1; }
-.sv-stage-judge { background: #d68910; } .sv-stage-record { background: #7f8c8d; }
-.sv-stage-rest { background: #c0392b; }
+/* a round's parts (not .sv-stage: that is the stepped round's view) */
+.sv-part-draft { background: #8e44ad; } .sv-part-verify { background: #2e86c1; }
+.sv-part-judge { background: #d68910; } .sv-part-record { background: #7f8c8d; }
+.sv-part-rest { background: #c0392b; }
 .sv-projector .sv-split-label, .sv-projector .sv-split-head { font-size: 22px; }
 .sv-error { color: #922b21; background: #fdedec; padding: 8px; border-radius: 4px; }
 .sv-batch-row { border-left: 3px solid #ddd; padding: 4px 10px; margin: 8px 0; }
@@ -139,7 +140,7 @@ body.sv-projector label span, body.sv-projector input, body.sv-projector button,
 .sv-race-row { font-family: ui-monospace, monospace; white-space: pre-wrap; margin: 6px 0; }
 .sv-race-row .sv-tok { opacity: 0; animation: sv-appear 0.01s forwards; }
 @keyframes sv-appear { to { opacity: 1; } }
-.sv-stage-caption { font-weight: 600; margin-bottom: 6px; }
+.sv-stage-caption { font-weight: 600; margin-bottom: 6px; white-space: normal; }
 #stage-view { overflow-x: auto; }
 /* in projector type the round's table takes the row and the tree goes under it: side by side at 1280x720 the
    tree covered the table's last columns */
@@ -153,9 +154,12 @@ body.sv-projector #stage-view, body.sv-projector #chart-tree { flex: 1 1 100% !i
 .sv-how li.sv-now { background: #fef5e7; border-left: 4px solid #f39c12; padding-left: 6px; color: #000; }
 body.sv-projector .sv-stream, body.sv-projector .sv-stream .sv-tok, body.sv-projector .sv-race-row {
   font-size: 28px; line-height: 1.7; }
-body.sv-projector .sv-stage-table th, body.sv-projector .sv-stage-table td { font-size: 24px; }
-.sv-projector .sv-stage-caption, .sv-projector .sv-how, .sv-projector .sv-stats { font-size: 22px; }
-.sv-projector .js-plotly-plot text { font-size: 18px !important; }
+/* at 1280x720 a round's stream, table and tree share one screen: the table's rows are the tallest of the three */
+body.sv-projector .sv-stage-table th, body.sv-projector .sv-stage-table td { font-size: 21px; padding: 1px 8px; }
+.sv-projector .sv-how, .sv-projector .sv-stats { font-size: 22px; }
+.sv-projector .sv-stage-caption { font-size: 20px; }
+/* Plotly places a legend's entries by its own text widths: larger legend text would run entries into each other */
+.sv-projector .js-plotly-plot text:not(.legendtext) { font-size: 18px !important; }
 """
 
 _KIND_CLASS = {"accepted": "sv-accepted", REJECTED: "sv-rejected", CORRECTION: "sv-correction",
@@ -293,14 +297,14 @@ def time_split_html(spec: Run, baseline: Run | None = None) -> str:
     for (run, label), stages in zip(runs, stages_of, strict=True):
         total = sum(stages.values())
         parts = "".join(
-            f'<span class="sv-stage sv-stage-{name}" data-stage="{name}" data-ms="{ms:.3f}" '
+            f'<span class="sv-part sv-part-{name}" data-stage="{name}" data-ms="{ms:.3f}" '
             f'style="width:{100 * ms / widest:.2f}%" title="{STAGE_NAMES[name]}: {ms:.2f} ms">'
             f'{name if ms / widest > 0.12 else ""}</span>' for name, ms in stages.items())
         per_token = total * len(run.events) / run.n_tokens if run.n_tokens else total
         bars.append(f'<div class="sv-split-row" data-run="{run.meta.mode}" data-ms="{total:.3f}">'
                     f'<div class="sv-split-label">{label}: {total:.1f} ms, {run.tokens_per_round:.2f} tokens, '
                     f'{per_token:.1f} ms a token</div><div class="sv-split-bar">{parts}</div></div>')
-    legend = " ".join(f'<span class="sv-stage sv-stage-{name} sv-key">{html.escape(text)}</span>'
+    legend = " ".join(f'<span class="sv-part sv-part-{name} sv-key">{html.escape(text)}</span>'
                       for name, text in STAGE_NAMES.items())
     return (f'<div class="sv-split" id="sv-time-split"><div class="sv-split-head">Where a round\'s time went (mean '
             f'of {count(len(spec.events), "round")})</div>{"".join(bars)}<div class="sv-split-keys">{legend}</div>'
