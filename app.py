@@ -41,6 +41,7 @@ from specviz.ui.page import (
     PUBLIC,
     QUEUE_SIZE,
     SERVED,  # noqa: F401 - counters the server tests read
+    WARMING,
     Page,
     first_run_values,
     get_pair,
@@ -337,7 +338,10 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
                       [drafter, gamma, branch, nodes, status], api_visibility="private")
     projector.change(None, projector, None, js=PROJECTOR_JS)
     demo.load(projector_from_url, None, projector, api_visibility="private")
-    demo.load(handlers.page_opened, None, [drafter, gamma, branch, nodes, status], api_visibility="private")
+    warming = gr.Timer(2.0, active=False)  # while the app measures this machine (handlers.page_opened)
+    opened = [drafter, gamma, branch, nodes, status, warming]
+    demo.load(handlers.page_opened, None, opened, api_visibility="private", show_progress="hidden")
+    warming.tick(handlers.page_opened, None, opened, api_visibility="private", show_progress="hidden")
     demo.unload(stepping.drop)
 
 
@@ -351,17 +355,25 @@ def launch(**kwargs):
 def warm_up() -> None:
     """Load (on first use, convert) the default pair and run it once, speculative and baseline, so
     the first visitor's first round pays neither for loading nor for the kernels' first calls (nor,
-    with SPECVIZ_COMPILE=1, for compiling the default settings' forwards)."""
-    pair = get_pair("offline", "", "")
-    if pair.head is not None:  # the first run's drafter and γ, measured best on this machine
-        machine_first_run("offline")
-    drafter, gamma, branch, nodes, _ = first_run_values("offline")
-    if drafter in HEAD_DRAFTERS and pair.head is None:
-        drafter, branch, nodes = "model", 1, 0
-    settings = Settings(gamma=gamma, drafter=drafter, branch=branch, nodes=nodes, max_new_tokens=gamma + 2,
-                        record_top=0)  # a full round
-    for mode in ("speculative", "baseline"):
-        generate(pair, EXAMPLES[0], settings, mode=mode)
+    with SPECVIZ_COMPILE=1, for compiling the default settings' forwards). Its steps go to WARMING, which pages
+    opened meanwhile show and Runs pressed meanwhile wait for."""
+    WARMING.begin(3)
+    try:
+        WARMING.at("loading the models (a first start converts the model file and times this machine's kernels)")
+        pair = get_pair("offline", "", "")
+        WARMING.at("measuring what each drafter and tree shape costs here")
+        if pair.head is not None:  # the first run's drafter and γ, measured best on this machine
+            machine_first_run("offline")
+        WARMING.at("a first round of each mode, so that a visitor's first round does not pay for first calls")
+        drafter, gamma, branch, nodes, _ = first_run_values("offline")
+        if drafter in HEAD_DRAFTERS and pair.head is None:
+            drafter, branch, nodes = "model", 1, 0
+        settings = Settings(gamma=gamma, drafter=drafter, branch=branch, nodes=nodes, max_new_tokens=gamma + 2,
+                            record_top=0)  # a full round
+        for mode in ("speculative", "baseline"):
+            generate(pair, EXAMPLES[0], settings, mode=mode)
+    finally:
+        WARMING.finish()
 
 
 if __name__ == "__main__":
@@ -371,9 +383,12 @@ if __name__ == "__main__":
     # A stop from a supervisor, a container or a Space (SIGTERM) ends the app as Ctrl-C does, so the runs' trace
     # files are removed (page.trace_dir); killed outright, they stay in the temporary folder.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # the page first, within seconds; the machine is measured while it is served, the page saying each step
+    launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
+           server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")), prevent_thread_lock=True)
     try:
         warm_up()
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while loading or measuring: a line, not a traceback
-        raise SystemExit("stopped (Ctrl-C or SIGTERM) before the app started") from None
-    launch(server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
-           server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+        demo.block_thread()
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while loading, measuring or serving: a line, not a traceback
+        demo.close()
+        raise SystemExit("stopped (Ctrl-C or SIGTERM) while measuring this machine") from None

@@ -366,3 +366,28 @@ def test_a_value_out_of_range_is_refused_in_one_sentence_and_one_console_line(ap
     assert "Traceback" not in capfd.readouterr().err
     assert [r.getMessage() for r in caplog.records if "refused" in r.getMessage()] == [
         "refused γ (drafts per round) = 1000000"]
+
+
+def test_while_the_app_measures_this_machine_the_page_says_the_step_and_a_run_waits_for_it(monkeypatch):
+    """`python app.py` serves the page first and measures this machine after: a page opened meanwhile says the
+    step (its timer asking again), and a Run pressed meanwhile waits, saying so, then runs once it is done."""
+    import threading
+
+    from specviz.ui import handlers
+    from specviz.ui import page as ui_page
+
+    warming = ui_page.Warming()
+    monkeypatch.setattr(handlers, "WARMING", warming)
+    warming.begin(3)
+    warming.at("loading the models")
+    *controls, note, timer = handlers.page_opened()
+    assert controls == [handlers.gr.skip()] * 4 and timer.active
+    assert "Measuring this machine, step 1 of 3: loading the models" in note
+    run = handlers.run(ui_page.Page(prompt="The future of AI", max_new_tokens=4, drafter="lookup", gamma=2))
+    first = next(run)[0]
+    assert "Measuring this machine, step 1 of 3" in first and "Runs start when it is done" in first
+    threading.Timer(1.5, warming.finish).start()
+    statuses = [out[0] for out in run]
+    assert "done: 4 tokens" in statuses[-1]
+    *controls, note, timer = handlers.page_opened()
+    assert not timer.active and controls[0] != handlers.gr.skip()

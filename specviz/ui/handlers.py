@@ -41,6 +41,7 @@ from .page import (
     SERVED,
     TIME_LIMIT_S,
     UPDATE_S,
+    WARMING,
     Page,
     as_int,
     check_request,
@@ -78,6 +79,8 @@ def opening(page: Page, settings, shown: Callable[[str], tuple]) -> Generator[tu
     checked, 'loading models…' while the pair loads, then the speculative prefill with the prompt's length; returns
     the pair, its stream and the prompt's ids (encoded once, for the stream too)."""
     check_request(page.prompt, settings)
+    while not WARMING.ready.wait(timeout=1.0):  # the app's first measuring: said, step by step, until done
+        yield shown(note_html(WARMING.said()))
     if not page.pair_loaded():
         yield shown(note_html("loading models…"))
     prompt_ids = encode_prompts(page.pair(), [page.prompt], settings)[0]
@@ -515,8 +518,13 @@ def race(runs):
 
 
 def page_opened():
+    """The first run's settings for the page and the note saying why; while the app is still measuring this
+    machine, what it is at, and the page's timer (`warming`) asks again until it is done."""
+    if not WARMING.ready.is_set():
+        return *[gr.skip()] * 4, note_html(WARMING.said()), gr.Timer(active=True)
     drafter, gamma, branch, nodes, note = first_run_values("offline")
-    return gr.update(value=drafter), gr.update(value=gamma), gr.update(value=branch), gr.update(value=nodes), note
+    return (gr.update(value=drafter), gr.update(value=gamma), gr.update(value=branch), gr.update(value=nodes), note,
+            gr.Timer(active=False))
 
 
 def temperature_changed(preset, temperature, drafter, gamma, branch, nodes):

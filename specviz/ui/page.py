@@ -88,6 +88,33 @@ UPDATE_S = setting("SPECVIZ_UPDATE_S", 0.25)  # the page drawn at most this ofte
 CHARTS_S = setting("SPECVIZ_CHARTS_S", 3.0)
 FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
+
+
+class Warming:
+    """The app's first work on this machine (loading, on a fresh cache converting and timing, then measuring the
+    first run's costs) while the page is already served: its step for the page to say, and a Run waiting on it
+    (a run beside the measuring would spoil both). Ready unless a warm-up is under way."""
+
+    def __init__(self):
+        self.ready, self.step, self.total, self.what = threading.Event(), 0, 0, ""
+        self.ready.set()
+
+    def begin(self, total: int) -> None:
+        self.step, self.total = 0, total
+        self.ready.clear()
+
+    def at(self, what: str) -> None:
+        self.step, self.what = self.step + 1, what
+        log.info("warming up, step %d of %d: %s", self.step, self.total, what)
+
+    def finish(self) -> None:
+        self.ready.set()
+
+    def said(self) -> str:
+        return f"Measuring this machine, step {self.step} of {self.total}: {self.what}. Runs start when it is done."
+
+
+WARMING = Warming()
 log = logging.getLogger("specviz")
 
 
