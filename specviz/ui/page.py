@@ -67,9 +67,9 @@ def setting(name: str, default: float, whole: bool = False, least: float = 0) ->
     return value
 
 
-# Viewers waiting for the model at most (a class of 40 pressing Run at once, with room): each waits in Gradio's
-# queue, holding a request's few kilobytes, and sees their place; the next is refused with Gradio's "queue full".
-QUEUE_SIZE = setting("SPECVIZ_QUEUE_SIZE", 100, whole=True, least=1)
+# Viewers waiting for the model at most (a lecture hall of 120 pressing Run at once, twice over): each waits in
+# Gradio's queue, holding a request's few kilobytes, and sees their place; the next is refused with "queue full".
+QUEUE_SIZE = setting("SPECVIZ_QUEUE_SIZE", 256, whole=True, least=1)
 # Public mode (on in the Docker image): presets only, and caps on what one request may ask for.
 PUBLIC = os.environ.get("SPECVIZ_PUBLIC", "").lower() not in ("", "0", "false", "no")
 MAX_PROMPT_CHARS = 2000 if PUBLIC else 50_000
