@@ -389,6 +389,7 @@ if __name__ == "__main__":
     try:
         warm_up()
         demo.block_thread()
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while loading, measuring or serving: a line, not a traceback
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while loading or measuring: a line, not a traceback (once
+        # serving, Gradio's block_thread takes it and closes the server)
         demo.close()
         raise SystemExit("stopped (Ctrl-C or SIGTERM) while measuring this machine") from None
