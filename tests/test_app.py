@@ -63,8 +63,8 @@ def test_bad_input_is_readable_and_the_next_request_works(app_url):
     for kwargs, message in [
         (dict(prompt=""), "prompt is empty"),
         (dict(top_k=-3), "top_k"),
-        (dict(temperature=-1), "less than minimum value 0"),  # a slider's own range check
-        (dict(gamma=0), "less than minimum value 1"),
+        (dict(temperature=-1), "temperature (0 = greedy): -1 is outside [0, 2]"),  # a slider's range check
+        (dict(gamma=0), "γ (drafts per round): 0 is outside [1, "),
         (dict(preset="no-such-preset"), "not in the list of choices"),  # the dropdown's own check
         (dict(seed="lots"), "lots"),  # the number box cannot parse it
     ]:

@@ -172,6 +172,18 @@ def timed(page, action, wanted: str) -> float:
     return page.evaluate("window.svDone") / 1000
 
 
+def opened(page, url: str) -> None:
+    """Open the app and wait until the page's script is in place and the page's opening call has set the controls
+    (what is typed before it lands is overwritten by the machine's first-run settings)."""
+    from specviz.ui.page import first_run_values
+
+    page.goto(url, wait_until="domcontentloaded")
+    page.wait_for_function("document.body.dataset.svReady === '1'", timeout=60_000)
+    if first_run_values("offline")[4]:
+        page.wait_for_function("/This machine's choice/.test(document.querySelector('#status').innerText)",
+                               timeout=60_000)
+
+
 def last_stage(page) -> bool:
     """The caption tells the round's stage count at its last stage only ('stage 5 of 5')."""
     return " of " in page.locator(CAPTION).inner_text().split(":")[0]
@@ -271,8 +283,7 @@ def test_a_number_out_of_range_or_a_trace_too_large_is_said_where_it_is_set(app_
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
-        page.goto(app_url, wait_until="domcontentloaded")
-        page.wait_for_function("document.body.dataset.svReady === '1'", timeout=60_000)  # the page's script runs
+        opened(page, app_url)
         note = page.locator("#sv-corrected")
         for name, typed, said, end in (("γ (drafts per round)", "1000000", "above the most", str(MAX_GAMMA_UI)),
                                        ("temperature (0 = greedy)", "-3", "below the least", "0")):
@@ -299,56 +310,16 @@ def test_a_number_out_of_range_or_a_trace_too_large_is_said_where_it_is_set(app_
         browser.close()
 
 
-def test_a_waiting_page_shows_its_place_in_the_queue_in_the_pages_type(app_url):
-    """While one viewer's run holds the model, a second viewer's page says, in words and in a line that has height
-    (in projector type: large), that it waits and at which place."""
+def test_projector_type_shows_a_rounds_stream_table_and_tree_on_one_screen(app_url):
+    """In projector type at 1280x720, a stepped tree round's stream, table and tree fit one screen, and the tree's
+    legend entries do not run into each other (screenshots at 1280x720 and 1920x1080 for the README)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
-        pages = []
-        for url in (app_url, app_url + "?projector=1"):
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
-            page.goto(url, wait_until="domcontentloaded")
-            page.wait_for_function("document.body.dataset.svReady === '1'", timeout=60_000)
-            pages.append(page)
-        first, waiting = pages
-        set_number(first, "max new tokens", "400")
-        first.locator("#run-btn").click()
-        first.wait_for_function("/round/.test(document.querySelector('#status').innerText)", timeout=120_000)
-        waiting.locator("#run-btn").click()
-        place = waiting.locator("#status .progress-text")
-        waiting.wait_for_function("/^Waiting for the run ahead: place 1 of 1 in the queue, [\\d.]+ s so far\\.$/"
-                                  ".test(document.querySelector('#status .progress-text')?.textContent)",
-                                  timeout=30_000)
-        box = place.bounding_box()
-        assert place.is_visible() and box["height"] >= 24 and box["y"] + box["height"] <= 720, box
-        assert float(waiting.evaluate("getComputedStyle(document.querySelector('#status .progress-text')).fontSize"
-                                      ".replace('px', '')")) >= 24
-        first.locator("#stop-btn").click()
-        waiting.wait_for_function("/done|Stopped/.test(document.querySelector('#status').innerText)", timeout=120_000)
-        browser.close()
-
-
-def test_projector_type_shows_a_rounds_stream_table_and_tree_on_one_screen(app_url):
-    """In projector type at 1280x720, a stepped tree round's stream, table and tree fit one screen, and the tree's
-    legend entries do not run into each other (screenshots at 1280x720 and 1920x1080 for the README)."""
-    from playwright.sync_api import expect, sync_playwright
-
-    from specviz.ui.page import first_run_values
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
         page = browser.new_page(viewport={"width": 1280, "height": 720})
-        page.goto(app_url + "?projector=1", wait_until="domcontentloaded")
-        page.wait_for_function("document.body.dataset.svReady === '1'", timeout=60_000)
-        _, _, branch, _, note = first_run_values("offline")
-        expect(page.locator('#branch input[type="number"]')).to_have_value(str(branch), timeout=30_000)
-        if note:  # the page's opening call has set the controls (after it, what is set here stays)
-            page.wait_for_function("/This machine's choice/.test(document.querySelector('#status').innerText)",
-                                   timeout=30_000)
+        opened(page, app_url + "?projector=1")
         for name, value in (("children per draft (1 = a chain)", "3"), ("tree: drafts verified (0 = all)", "5")):
             set_number(page, name, value)
         page.locator("#step-btn").click()
@@ -587,15 +558,19 @@ def test_a_waiting_viewer_sees_their_place_and_stop_ends_a_long_run_with_its_own
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
         first, second = (browser.new_page(viewport={"width": 1280, "height": 720}) for _ in range(2))
-        for page in (first, second):
-            page.goto(app_url, wait_until="domcontentloaded")
+        for page, url in ((first, app_url), (second, app_url + "?projector=1")):
+            page.goto(url, wait_until="domcontentloaded")
             page.locator("#run-btn").wait_for(timeout=60_000)
         set_number(first, "max new tokens", "4096")
         first.locator("#run-btn").click()
         first.wait_for_function("/speculative: round \\d+, [1-9]\\d+ tokens/.test("
                                 "document.querySelector('#status').textContent)", timeout=120_000)
         second.locator("#run-btn").click()
-        second.locator("#status :text('queue: 1/1')").wait_for(timeout=60_000)  # Gradio's tracker: place, wait
+        second.locator("#status :text('place 1 of 1 in the queue')").wait_for(timeout=60_000)  # place, time waited
+        place = second.locator("#status .progress-text")  # on a line of its own, in the projector's type
+        box = place.bounding_box()
+        assert place.is_visible() and box["height"] >= 24 and box["y"] + box["height"] <= 720, box
+        assert float(place.evaluate("e => getComputedStyle(e).fontSize").replace("px", "")) >= 24
         second.locator("#stop-btn").click()
         second.locator("#status :text('Stopped before it started')").wait_for(timeout=30_000)
 

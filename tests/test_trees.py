@@ -375,7 +375,7 @@ def test_the_tree_is_drawn_and_stepped_level_by_level(random_pair):
     assert {"kept", "rejected", "last kept token", event.extra.kind} <= names
     accepted = next(t for t in fig["data"] if t.get("name") == "kept")
     assert accepted["x"] == list(range(1, event.n_accepted + 1))  # the kept path, one per depth
-    assert "as a tree" in fig["layout"]["title"]["text"] and "min(1, p/q)" in accepted["hovertext"][0]
+    assert "as a tree" in fig["layout"]["title"]["text"] and "chance kept" in accepted["hovertext"][0]
     stages = round_stages(event, run.meta)
     levels = [s for s in stages if s.kind == DRAFT]
     assert len(levels) == max(event.depths) and levels[0].caption.startswith("Depth 1 of the tree")

@@ -98,13 +98,13 @@ CSS = """
 .sv-projector #sv-corrected { font-size: 28px; }
 /* Gradio shows a waiting page's place in the queue over the status box, in a wrapper as high as the box: before a
    first run the box is empty, and the place had no height at all. It gets a line of its own, in the page's type */
-#status { min-height: 1.6em; }
 #status .wrap.minimal { position: static !important; height: auto !important; overflow: visible !important;
   justify-content: flex-start !important; }
 #status .progress-text { font-size: 16px; background: #fff3cd; color: #5c4400; padding: 4px 10px; border-radius: 4px; }
 body.sv-projector #status, body.sv-projector #status .progress-text { font-size: 26px !important; }
-body.sv-projector label span, body.sv-projector input, body.sv-projector button, body.sv-projector textarea {
-  font-size: 20px !important; }
+/* the controls' own text larger too; their labels keep their size, as they would wrap and push the run off the
+   first screen */
+body.sv-projector button, body.sv-projector textarea, body.sv-projector input { font-size: 20px !important; }
 .sv-stream { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.9; font-size: 15px; }
 .sv-tok { border-radius: 3px; padding: 1px 0; cursor: help; }
 .sv-accepted { background: #d9f2e1; color: #145a32; }
