@@ -375,8 +375,8 @@ def resolve_model_path(ref: str, progress: Progress = _quiet) -> str:
         return str(OFFLINE_MODELS[ref](progress))
     if ref.startswith("offline:"):
         raise ValueError(f"unknown offline model {ref!r}; known: {', '.join(OFFLINE_MODELS)}")
-    folder = Path(ref).expanduser()
     if _local(ref):
+        folder = Path(ref).expanduser()
         if not (folder / "config.json").is_file():  # one answer for a missing path, a file and any other folder
             raise ValueError(not_a_model_folder(ref))
         return str(folder)

@@ -89,6 +89,8 @@ CHARTS_S = setting("SPECVIZ_CHARTS_S", 3.0)
 FIRST_RUN = PRESETS["offline"]  # the page opens with the offline preset; drafter and γ as measured best here
 SERVED = {"runs": 0, "rounds": 0}  # counters: a cancelled run stops adding rounds
 
+log = logging.getLogger("specviz")
+
 
 class Warming:
     """The app's first work on this machine (loading, on a fresh cache converting and timing, then measuring the
@@ -115,7 +117,6 @@ class Warming:
 
 
 WARMING = Warming()
-log = logging.getLogger("specviz")
 
 
 def share_the_cores() -> str:

@@ -125,7 +125,7 @@ body.sv-projector button, body.sv-projector textarea, body.sv-projector input { 
 .sv-split-label { font-size: 13px; color: #444; margin-top: 4px; }
 .sv-split-bar { display: flex; height: 22px; background: #f6f6f6; border-radius: 3px; overflow: hidden; }
 .sv-part { display: inline-block; flex: none; font-size: 11px; line-height: 22px; color: #fff; overflow: hidden;
-            white-space: nowrap; text-align: center; }
+           white-space: nowrap; text-align: center; }
 .sv-split-keys { margin-top: 6px; line-height: 2; }
 .sv-split-keys .sv-key { padding: 0 6px; border-radius: 3px; margin-right: 4px; }
 /* a round's parts (not .sv-stage: that is the stepped round's view) */
