@@ -561,18 +561,35 @@ def test_a_waiting_viewer_sees_their_place_and_stop_ends_a_long_run_with_its_own
         for page, url in ((first, app_url), (second, app_url + "?projector=1")):
             page.goto(url, wait_until="domcontentloaded")
             page.locator("#run-btn").wait_for(timeout=60_000)
+        set_number(first, "max new tokens", "16")  # a finished run: what the server prices a token at
+        first.locator("#run-btn").click()
+        first.locator("#status :text('done')").wait_for(timeout=120_000)
         set_number(first, "max new tokens", "4096")
         first.locator("#run-btn").click()
         first.wait_for_function("/speculative: round \\d+, [1-9]\\d+ tokens/.test("
                                 "document.querySelector('#status').textContent)", timeout=120_000)
         second.locator("#run-btn").click()
         second.locator("#status :text('place 1 of 1 in the queue')").wait_for(timeout=60_000)  # place, time waited
-        place = second.locator("#status .progress-text")  # on a line of its own, in the projector's type
+        place = second.locator("#status .sv-queue")  # on a line of its own, in the projector's type
         box = place.bounding_box()
         assert place.is_visible() and box["height"] >= 24 and box["y"] + box["height"] <= 720, box
         assert float(place.evaluate("e => getComputedStyle(e).fontSize").replace("px", "")) >= 24
+        # the wait from the run ahead's own budget (its box's tokens, as many again for its baseline), in the same type
+        budget = int(first.get_by_role("spinbutton", name="number input for max new tokens").input_value())
+        wait = second.locator("#sv-wait :text('About')")
+        wait.wait_for(timeout=30_000)
+        said = wait.inner_text()
+        assert re.fullmatch(rf"About \d+ s more to wait \(the runs ahead ask for up to {2 * budget} tokens, at \d+ ms "
+                            r"a token here\)\.", said.strip()), (said, budget)
+        assert float(wait.evaluate("e => getComputedStyle(e).fontSize").replace("px", "")) >= 24
+        first_said = int(said.split()[1])
+        second.wait_for_function(f"() => {{ const m = document.querySelector('#sv-wait').textContent"
+                                 f".match(/About (\\d+) s/); return m && +m[1] < {first_said}; }}", timeout=30_000)
+        second.wait_for_function("/place 1 of 1 in the queue, [1-9]\\d* s so far/.test("
+                                 "document.querySelector('#status').textContent)", timeout=10_000)  # the time goes on
         second.locator("#stop-btn").click()
         second.locator("#status :text('Stopped before it started')").wait_for(timeout=30_000)
+        second.wait_for_function("() => !document.querySelector('#sv-wait').textContent.trim()", timeout=10_000)
 
         first.wait_for_function("/speculative: round \\d+, ([2-9]\\d\\d|\\d{4,}) tokens/.test("
                                 "document.querySelector('#status').textContent)", timeout=120_000)  # a long stream

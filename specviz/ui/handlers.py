@@ -30,7 +30,7 @@ from ..view.rendering import (
     speedup_line,
     stream_html,
 )
-from . import stepping
+from . import stepping, waiting
 from .device import on_device
 from .page import (
     BATCH_SEPARATOR,
@@ -62,6 +62,7 @@ except ImportError:  # elsewhere every model call on one thread (device.py: CUDA
 
 
 FAILURES = (ValueError, OSError, RuntimeError)  # what a request can do wrong: shown in the page, never raised
+DEVICE_QUEUE = "device"  # the concurrency group of every call that runs a model: one at a time (app.py)
 
 
 def open_stream(page: Page, settings, prompt_ids: list[int] | None = None) -> tuple[ModelPair, Iterator[Update]]:
@@ -180,11 +181,23 @@ def _run(page: Page, view: View, watch: Watch):
         yield view.outputs()
         return
     SERVED["runs"] += 1
-    context = context_of(len(prompt_ids), settings.max_new_tokens)
+    context, began = context_of(len(prompt_ids), settings.max_new_tokens), time.perf_counter()
     yield from follow(view, updates, draft_note(pair, settings),
                       measured_against(page.preset, not settings.sampling.greedy, context, settings.max_new_tokens),
                       bool(page.compare), watch)
     updates.close()  # where Stop ended it
+    if not watch.stop:  # what a waiting viewer's estimate prices the runs ahead at (waiting.py)
+        waiting.PACE.learn(sum(r.n_tokens for r in (view.spec, view.base) if r), time.perf_counter() - began)
+
+
+def waiting_line(budgets: waiting.Budgets, request: gr.Request = None) -> tuple:
+    """While the page has a call waiting for the model: the wait expected (waiting.py), and its timer kept
+    ticking; once none waits, an empty line and the timer stopped."""
+    queue = _queue(request)
+    wait = waiting.wait_of(queue, DEVICE_QUEUE, stepping.session(request), budgets) if queue else None
+    if wait is None:
+        return "", gr.Timer(active=False)
+    return note_html(wait.text()), gr.Timer(active=True)
 
 
 # --- Stop ----------------------------------------------------------------------------------------
@@ -242,15 +255,20 @@ async def stop(request: gr.Request = None):
     return gr.skip()
 
 
+def _queue(request: gr.Request | None):
+    """Gradio's queue of the app serving the request (None outside a served app)."""
+    app = getattr(getattr(request, "request", None), "app", None)
+    return app.get_blocks()._queue if app is not None else None
+
+
 async def leave_queue(request: gr.Request | None, names: tuple[str, ...]) -> bool:
     """The session's events of the handlers named taken out of Gradio's queue while they wait, and their pages
     told they ended (as Gradio's /cancel route does for a waiting event); whether there were any."""
     from gradio.server_messages import ProcessCompletedMessage
 
-    app = getattr(getattr(request, "request", None), "app", None)
-    if app is None:
+    queue, key = _queue(request), stepping.session(request)
+    if queue is None:
         return False
-    queue, key = app.get_blocks()._queue, stepping.session(request)
     waiting = [event for line in queue.event_queue_per_concurrency_id.values() for event in line.queue
                if event.session_hash == key and event.fn.name in names]
     for event in waiting:

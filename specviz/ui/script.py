@@ -50,13 +50,27 @@ PAGE_JS = r"""() => {
   };
   document.addEventListener("change", (e) => tell(e.target), true);
   document.addEventListener("keydown", (e) => { if (e.key === "Enter") tell(e.target); }, true);
-  // Gradio's "queue: 2/3 | 4.1/1.2s": the place in words; its estimate (the average call's time, not the runs ahead)
-  // left out, the time waited so far kept
+  // Gradio's "queue: 2/3 | 4.1/1.2s" said in words beside it, Gradio's own text hidden (its estimate is the average
+  // call's time, not the runs ahead: the server's line #sv-wait says that). Gradio's text is left in place, as
+  // Gradio keeps writing the time waited into it: a page that rewrote it froze that time at its first value
   new MutationObserver(() => {
     for (const t of document.querySelectorAll("#status .progress-text")) {
       const m = t.textContent.match(/^queue: (\d+)\/(\d+) \| ([\d.]+)/);
-      if (m) t.textContent = `Waiting for the run${m[1] === "1" ? "" : "s"} ahead: place ${m[1]} of ${m[2]} ` +
-        `in the queue, ${m[3]} s so far.`;
+      const next = t.nextElementSibling;
+      let said = next && next.classList.contains("sv-queue") ? next : null;
+      t.classList.toggle("sv-hidden", !!m);
+      if (!m) {
+        if (said) said.remove();
+        continue;
+      }
+      if (!said) {
+        said = document.createElement("span");
+        said.className = "sv-queue";
+        t.after(said);
+      }
+      const text = `Waiting for the run${m[1] === "1" ? "" : "s"} ahead: place ${m[1]} of ${m[2]} in the queue, ` +
+        `${Math.floor(+m[3])} s so far.`;
+      if (said.textContent !== text) said.textContent = text;
     }
   }).observe(document.body, {subtree: true, childList: true, characterData: true});
   document.body.dataset.svReady = "1";  // Gradio runs this once the page is mounted: a test waits for it

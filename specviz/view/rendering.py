@@ -100,8 +100,12 @@ CSS = """
    first run the box is empty, and the place had no height at all. It gets a line of its own, in the page's type */
 #status .wrap.minimal { position: static !important; height: auto !important; overflow: visible !important;
   justify-content: flex-start !important; }
-#status .progress-text { font-size: 16px; background: #fff3cd; color: #5c4400; padding: 4px 10px; border-radius: 4px; }
-body.sv-projector #status, body.sv-projector #status .progress-text { font-size: 26px !important; }
+#status .progress-text, #status .sv-queue { font-size: 16px; background: #fff3cd; color: #5c4400; padding: 4px 10px;
+  border-radius: 4px; }
+#status .sv-hidden { display: none !important; }  /* Gradio's "queue: 1/2 | …", said in words beside it (page script) */
+body.sv-projector #status, body.sv-projector #status .progress-text,
+body.sv-projector #status .sv-queue { font-size: 26px !important; }
+#sv-wait .sv-note { font-size: 16px; } body.sv-projector #sv-wait .sv-note { font-size: 26px !important; }
 /* the controls' own text larger too; their labels keep their size, as they would wrap and push the run off the
    first screen */
 body.sv-projector button, body.sv-projector textarea, body.sv-projector input { font-size: 20px !important; }
