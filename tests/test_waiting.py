@@ -24,9 +24,9 @@ def queue(running, waiting_events, started=100.0, timed=None):
               process_time_per_fn=timed or {})
 
 
-def pace(ms):
+def pace(ms, overhead_s=0.0):
     p = waiting.Pace()
-    p.ms = ms
+    p.ms, p.overhead_s = ms, overhead_s
     return p
 
 
@@ -61,9 +61,16 @@ def test_no_line_for_a_page_with_nothing_waiting():
 
 def test_the_pace_is_a_moving_mean_of_finished_runs_and_ignores_runs_too_short_to_time():
     p = waiting.Pace()
-    p.learn(4, 1.0)
+    p.learn(4, 1.0, 1.5)
     assert p.ms is None
-    p.learn(100, 2.0)
-    assert p.ms == 20.0
-    p.learn(100, 4.0)
-    assert abs(p.ms - (0.7 * 20 + 0.3 * 40)) < 1e-9
+    p.learn(100, 2.0, 2.5)  # 20 ms a token, 0.5 s besides
+    assert (p.ms, p.overhead_s) == (20.0, 0.5)
+    p.learn(100, 4.0, 4.0)
+    assert abs(p.ms - (0.7 * 20 + 0.3 * 40)) < 1e-9 and abs(p.overhead_s - 0.35) < 1e-9
+    assert abs(p.seconds(10) - (0.35 + 10 * p.ms / 1000)) < 1e-9
+
+
+def test_each_run_ahead_pays_its_overhead_once():
+    q = queue([], [event("b", data=[50, True]), event("c", data=[10, False]), event("me", data=[8, False])])
+    wait = waiting.wait_of(q, "device", "me", BUDGETS, pace(20.0, overhead_s=0.5), now=lambda: 100.0)
+    assert abs(wait.seconds - (0.5 + 2.0 + 0.5 + 0.2)) < 1e-9

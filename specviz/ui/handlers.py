@@ -163,7 +163,12 @@ def run(page: Page, request=None):
     view = View(show_rounds=bool(page.show_rounds))
     stepping.drop(request)  # a plain run ends any stepping
     with watched(request, view) as watch:
-        yield from _run(page, view, watch)
+        began = time.perf_counter()
+        yield from _run(page, view, watch)  # (resumed after its last page: Gradio has sent them all)
+        runs = [r for r in (view.spec, view.base) if r is not None and r.events]
+        if not watch.stop:  # what a waiting viewer's estimate prices the runs ahead at (waiting.py)
+            waiting.PACE.learn(sum(r.n_tokens for r in runs), sum(r.events[-1].elapsed_ms for r in runs) / 1000,
+                               time.perf_counter() - began)
 
 
 def _run(page: Page, view: View, watch: Watch):
@@ -181,13 +186,11 @@ def _run(page: Page, view: View, watch: Watch):
         yield view.outputs()
         return
     SERVED["runs"] += 1
-    context, began = context_of(len(prompt_ids), settings.max_new_tokens), time.perf_counter()
+    context = context_of(len(prompt_ids), settings.max_new_tokens)
     yield from follow(view, updates, draft_note(pair, settings),
                       measured_against(page.preset, not settings.sampling.greedy, context, settings.max_new_tokens),
                       bool(page.compare), watch)
     updates.close()  # where Stop ended it
-    if not watch.stop:  # what a waiting viewer's estimate prices the runs ahead at (waiting.py)
-        waiting.PACE.learn(sum(r.n_tokens for r in (view.spec, view.base) if r), time.perf_counter() - began)
 
 
 def waiting_line(budgets: waiting.Budgets, request: gr.Request = None) -> tuple:

@@ -2,7 +2,8 @@
 
 Gradio's own estimate is the average call's time, whatever the calls ahead ask for: behind a 512-token run it
 says the same as behind a 16-token one. Here a Run ahead counts its own token budget (twice where it runs the
-baseline too) at the pace this server's finished runs measured, page drawing included; a call of another kind
+baseline too) at the pace this server's finished runs measured, with what a run spends besides its tokens (its
+prefill, the page's drawing); a call of another kind
 counts Gradio's average for its kind; the call under way counts what it has left. A run that meets its
 end-of-text early makes the wait shorter than said.
 """
@@ -19,19 +20,26 @@ MIN_TOKENS = 8  # a run this short times its prefill and drawing more than its t
 
 
 class Pace:
-    """ms a token as this server's finished runs measured them: a moving mean, the first run's value to begin
-    with (None until a run finished)."""
+    """A run's time as this server's finished runs measured it: ms a token of decoding, and the seconds a run
+    spends besides (its prefill, the page's drawing, the trace), each a moving mean (None until a run finished)."""
 
     def __init__(self) -> None:
         self.ms: float | None = None
+        self.overhead_s = 0.0
         self._lock = threading.Lock()
 
-    def learn(self, tokens: int, seconds: float) -> None:
-        if tokens < MIN_TOKENS or seconds <= 0:
+    def learn(self, tokens: int, decode_s: float, wall_s: float) -> None:
+        """A finished run: its tokens (its baseline's included), their decoding's seconds, and the run's in all."""
+        if tokens < MIN_TOKENS or decode_s <= 0:
             return
-        ms = 1000 * seconds / tokens
+        ms, overhead = 1000 * decode_s / tokens, max(wall_s - decode_s, 0.0)
         with self._lock:
-            self.ms = ms if self.ms is None else 0.7 * self.ms + 0.3 * ms
+            first = self.ms is None
+            self.ms = ms if first else 0.7 * self.ms + 0.3 * ms
+            self.overhead_s = overhead if first else 0.7 * self.overhead_s + 0.3 * overhead
+
+    def seconds(self, tokens: int) -> float:
+        return self.overhead_s + tokens * (self.ms or 0.0) / 1000
 
 
 PACE = Pace()
@@ -91,7 +99,7 @@ def wait_of(queue, concurrency_id: str, session: str, budgets: Budgets, pace: Pa
         if tokens is not None:
             tokens_ahead += tokens
             unknown = unknown or ms is None
-            return tokens * (ms or 0) / 1000
+            return pace.seconds(tokens)
         timed = queue.process_time_per_fn.get(event.fn)
         return timed.avg_time if timed is not None and timed.count else OTHER_S
 
