@@ -168,8 +168,8 @@ def test_a_tree_round_is_told_as_the_tree_it_was(random_pair, temperature):
         assert "p/q = 0.4000" in stream and "p/q = 1.2000" in stream  # the ratio, above 1 where p > q
         assert "greedy: rejected, not the target's most likely token" in stream
         assert "min(1, p/q)" not in stream
-    else:
-        assert "min(1, p/q) = 1.0000  u = 0.3000" in stream
+    else:  # a sibling's chance is less what the ones tried before it took: not min(1, p/q)
+        assert "chance kept = 1.0000  u = 0.3000" in stream and "min(1" not in stream
 
 
 def test_a_chain_keeps_its_words():
@@ -275,3 +275,92 @@ def test_no_stage_tells_what_a_later_stage_decides(eagle_pair):
                     assert a == b, (temperature, branch, event.index, k, stage.kind)
             rounds += 1
     assert rounds >= 30
+
+
+def _depth_oracle(parents: list[int], i: int) -> int:
+    """A node's depth by walking its ancestors (1: a child of the last kept token)."""
+    depth = 1
+    while parents[i] >= 0:
+        i, depth = parents[i], depth + 1
+    return depth
+
+
+def _target_argmax(token) -> int:
+    """The target's likeliest id where the token was judged, from the inspector's candidates recorded with it."""
+    return max(token.top, key=lambda c: c.p).id
+
+
+@pytest.mark.slow
+def test_every_hover_sentence_says_what_its_round_recorded(eagle_pair):
+    """Each token's hover in the stream and each node's in the tree chart, sentence by sentence, against an oracle
+    from the round's record alone: the round, the depth (walked up the parents), kept or rejected, p and q, the
+    test the verdict used (greedy: whether the draft is the target's likeliest token, read from the recorded
+    candidates; sampled: u against the chance kept, which in a chain is min(1, p/q)), the path probability, and
+    whether the added token is a correction or a bonus. Over recorded chain, tree, greedy and sampled rounds."""
+    from specviz.view.rendering import stream_html
+
+    pair = eagle_pair("llama")
+    number = r"(-?[\d.]+|–)"
+    checked = 0
+    for temperature, branch in ((0.0, 1), (1.0, 1), (0.0, 2), (1.0, 2)):
+        settings = Settings(gamma=3, branch=branch, nodes=5 if branch > 1 else 0, drafter="eagle",
+                            temperature=temperature, max_new_tokens=24, seed=3, record_top=8)
+        run = generate(pair, "", settings, prompt_ids=words(2, 3, 4, 5))
+        greedy = temperature == 0
+        titles = iter(html.unescape(t) for t in re.findall(r'class="sv-tok [^"]*" title="([^"]*)"', stream_html(run)))
+        for e in run.events:
+            parents = list(e.parents) if e.parents else list(range(-1, len(e.drafted) - 1))
+            for i, t in enumerate(e.drafted):
+                kept, depth = t.status == "accepted", _depth_oracle(parents, i)
+                if t.status in ("accepted", "rejected"):  # the stream shows the tested drafts
+                    head, values, *tests = next(titles).split("\n")
+                    test = "\n".join(tests)
+                    assert head == (f"round {e.index + 1}, draft position {depth}"
+                                    f"{' (copied by prompt lookup)' if e.drafted_by == 'lookup' else ''}: "
+                                    f"{'kept' if kept else 'rejected'}"), head
+                    assert values == f"p = {t.p:.4f}  q = {t.q:.4f}"
+                    if greedy:
+                        is_best = _target_argmax(t) == t.id
+                        assert is_best == kept
+                        assert test == (f"p/q = {t.p / t.q:.4f}\ngreedy: {'kept' if kept else 'rejected'}, "
+                                        f"{'the' if kept else 'not the'} target's most likely token"), test
+                    else:
+                        chance, u = (float(x) for x in re.fullmatch(
+                            rf"(?:min\(1, p/q\)|chance kept) = {number}  u = {number}", test).groups())
+                        assert (u < chance) == kept and abs(u - t.u) < 1e-4, (test, t)
+                        if e.parents:  # a sibling's chance is less what the ones tried before it took
+                            assert test.startswith("chance kept")
+                        else:
+                            assert test.startswith("min(1, p/q)") and abs(chance - min(1, t.p / t.q)) < 2e-4
+            if e.extra is not None:
+                end = e.path[-1] if e.path else -1
+                children = [j for j in range(len(parents)) if parents[j] == end]
+                kind = "correction" if children else "bonus" if e.drafted else "target"
+                head, values = next(titles).split("\n")
+                assert head == f"round {e.index + 1}: {kind} token from the target" and e.extra.kind == kind
+                assert values.startswith(f"p = {e.extra.p:.4f}") and ("q = " in values) == (kind == "correction")
+            # the tree chart's hovers, node by node
+            figure = charts.token_tree(e, greedy=greedy)
+            names = {"accepted": "kept", "rejected": "rejected"}
+            for trace in figure["data"]:
+                nodes = iter(i for i, t in enumerate(e.drafted)
+                             if names.get(t.status, "not reached") == trace.get("name"))
+                for hover in trace.get("hovertext", []):
+                    m = re.fullmatch(r"(.*), depth (\d+): ([a-z ]+)<br>p = ([\d.]+), q = ([\d.]+), ?(.*?)"
+                                     r"(?:<br>draft's path probability ([\d.]+))?", hover)
+                    if m is None:  # the root, or the added token
+                        if "last kept token" not in hover:
+                            assert hover.endswith(f": {e.extra.kind}, p = {e.extra.p:.3f}"), hover
+                        continue
+                    i = next(nodes)
+                    t = e.drafted[i]
+                    assert (m[1], m[4], m[5]) == (charts._token(t.text), f"{t.p:.3f}", f"{t.q:.3f}"), hover
+                    assert (int(m[2]), m[3]) == (_depth_oracle(parents, i), trace["name"]), hover
+                    if not greedy and t.status != "unverified":
+                        chance = float(m[6].split(" = ")[1])
+                        assert (t.u < chance) == (t.status == "accepted"), hover
+                    if m[7] is not None:
+                        assert abs(float(m[7]) - t.score) < 1e-3
+                    checked += 1
+        assert next(titles, None) is None  # every span was one of the record's tokens
+    assert checked >= 30

@@ -211,7 +211,7 @@ def legend_html(heading: str, kinds: tuple[tuple[str, str], ...]) -> str:
 
 
 def stream_html(run: Run | None, show_rounds: bool = False, diff_at: int | None = None) -> str:
-    """The token stream, one span per token; hover shows p, q, min(1, p/q) and u."""
+    """The token stream, one span per token; hover shows p, q and the test that kept or rejected it."""
     if run is None or not run.events:
         return '<div class="sv-stream"></div>'
     parts, position, greedy = [], 0, run.meta.sampling.greedy
@@ -223,10 +223,11 @@ def stream_html(run: Run | None, show_rounds: bool = False, diff_at: int | None 
             if t.status not in ("accepted", REJECTED):
                 continue
             by = " (copied by prompt lookup)" if e.drafted_by == "lookup" else ""
-            # greedy keeps a draft when it is the target's argmax: p/q is shown as what it is, not as that verdict
+            # greedy keeps a draft when it is the target's argmax: p/q is shown as what it is, not as that verdict;
+            # a sampled tree's sibling is kept with its chance less what the ones tried before it took, not min(1, p/q)
             test = (f"p/q = {_fmt(t.p / t.q if t.q else None)}\ngreedy: {verdict(t.status)}, "
                     f"{'the' if t.accepted else 'not the'} target's most likely token" if greedy else
-                    f"min(1, p/q) = {_fmt(t.accept_prob)}  u = {_fmt(t.u)}")
+                    f"{'chance kept' if e.parents else 'min(1, p/q)'} = {_fmt(t.accept_prob)}  u = {_fmt(t.u)}")
             title = (f"round {e.index + 1}, draft position {depths[i]}{by}: {verdict(t.status)}\n"
                      f"p = {_fmt(t.p)}  q = {_fmt(t.q)}\n{test}")
             mark = "sv-diff" if t.accepted and position == diff_at else ""
