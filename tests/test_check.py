@@ -148,3 +148,22 @@ def test_a_compiled_run_without_cuda_graphs_or_with_uncounted_graphs_says_so(pat
                              only=lambda c: c.name == "model γ 3, static cache, T=0")
     assert outcome.status == "ok" and outcome.checks[-2].startswith("CUDA graphs skipped 2 times")
     assert outcome.checks[-1].startswith("2 graph(s) compiled beyond the shapes counted")
+
+
+def test_after_the_device_is_lost_the_other_cases_are_skipped_saying_why(monkeypatch):
+    """A CUDA device-side assert leaves the context unusable: the case that met it fails with its error, and every
+    case after it is skipped naming that error, not run to fail the same way; any other error fails one case."""
+    ran = []
+
+    def run_case(pair, case, prompts, max_new_tokens, plain):
+        ran.append(case)
+        if len(ran) == 2:
+            return check.Outcome(case, "failed", ["AcceleratorError: CUDA error: device-side assert triggered"],
+                                 error="torch.AcceleratorError: CUDA error: device-side assert triggered")
+        return check.Outcome(case, "failed", ["ValueError: one case"], error="ValueError: one case")
+
+    monkeypatch.setattr(check, "run_case", run_case)
+    outcomes = list(check.check(None, compiled=False))
+    assert len(ran) == 2 and len(outcomes) == len(check.cases(False))
+    assert [o.status for o in outcomes[:2]] == ["failed", "failed"]
+    assert all(o.status == "skipped" and "device-side assert" in o.checks[0] for o in outcomes[2:])

@@ -164,6 +164,29 @@ def test_grouped_attention_is_the_attention(dtype, t, lossy, monkeypatch):
                                                                                  enable_gqa=True))
 
 
+def test_off_the_cpu_a_masked_grouped_attention_goes_as_full_heads(monkeypatch):
+    """Off the CPU (meta tensors stand in for a GPU's), attend hands ATen a mask and as many key heads as query
+    heads, never a mask beside enable_gqa, which CUDA's flash and memory-efficient kernels both refuse (every
+    layer would run the math kernel); query head h still reads key head h // (H / KV)."""
+    from specviz.models import leanllama
+
+    calls = []
+
+    def sdpa(q, k, v, attn_mask=None, enable_gqa=False):
+        calls.append((k.shape[1], v.shape[1], attn_mask is not None, enable_gqa))
+        return q.new_empty(q.shape)
+
+    monkeypatch.setattr(leanllama.F, "scaled_dot_product_attention", sdpa)
+    q = torch.empty(2, 6, 3, 16, device="meta")
+    k, v = (torch.empty(2, 2, 11, 16, device="meta") for _ in range(2))
+    for lossy in (False, True):
+        leanllama.attend(q, k, v, torch.empty(2, 1, 3, 11, dtype=torch.bool, device="meta"), lossy)
+    assert calls == [(6, 6, True, False)] * 2
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 4, 8, generator=gen)
+    assert torch.equal(k.repeat_interleave(3, 1)[:, 4], k[:, 4 // 3])  # head 4 of 6 reads key head 1 of 2
+
+
 @pytest.mark.parametrize("dim", [64, 12])
 def test_the_c_attention_gives_a_query_the_same_bits_wherever_its_keys_lie(dim):
     """native.attend_bf16 (bf16 attention on a CPU): close to float64; and a query's output is bitwise the same

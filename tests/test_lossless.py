@@ -2,6 +2,8 @@
 is compared with, and the shared-prefill batches it draws with; the exact check in closed form,
 and a broken rule it tells apart."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import seeded_rows_and_single_runs, words
@@ -112,3 +114,21 @@ def test_sample_check_batches_grow_while_fast_and_shrink_when_slow(random_pair, 
     assert fast == [16, 48, 112, 240, 496, 600]
     slow = done_counts(0.0)  # every batch "slow": 16, 8, 4, 2, 1, 1, ...
     assert slow[:5] == [16, 24, 28, 30, 31] and slow[-1] == 600
+
+
+def test_the_sample_check_decodes_eager_even_where_the_run_compiles(random_pair, monkeypatch):
+    """Its batches (16 to 256 rows) would each compile graphs of their own and spend the process's budget of
+    compiled shapes: every decode it runs is asked for eager, whatever the viewer's settings say."""
+    from specviz.tools import lossless
+
+    asked = []
+    real = lossless.decode
+
+    def decode(pair, prompts, settings, mode, **kwargs):
+        asked.append(settings.compile)
+        return real(pair, prompts, dataclasses.replace(settings, compile=False), mode, **kwargs)
+
+    monkeypatch.setattr(lossless, "decode", decode)
+    settings = Settings(gamma=2, temperature=1.0, compile=True)
+    list(sample_check_live(random_pair, "w1 w2", settings, n=20, chat_template=False))
+    assert asked and not any(asked)

@@ -96,3 +96,22 @@ def test_a_gguf_targets_products_and_their_blocks_are_read_from_its_file_before_
                                                   (3072, 576, 30, "q4_1"), (576, 1536, 30, "q4_1"),
                                                   (49152, 576, 1, "q8_0"))
     assert gguf_products("some/hub-model", cfg) == ()
+
+
+def test_a_model_that_fits_one_of_several_gpus_is_not_split(monkeypatch, tmp_path):
+    """device_map="auto" spreads even a 135M model over two GPUs, and a split model runs without the lean forward:
+    only weights larger than a share of one GPU's memory are spread."""
+    from types import SimpleNamespace
+
+    from specviz.models import loading
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "tokenizer.json").write_bytes(b"\0" * 10_000)  # not weights
+    monkeypatch.setattr(loading.torch.cuda, "device_count", lambda: 2)
+    for memory, spread in ((80e9, False), (1000, True), (12_000, False)):
+        monkeypatch.setattr(loading.torch.cuda, "get_device_properties",
+                            lambda device, m=memory: SimpleNamespace(total_memory=m))
+        assert loading.needs_several_gpus(tmp_path, torch.device("cuda")) is spread, memory
+    assert not loading.needs_several_gpus(tmp_path, torch.device("cpu"))
+    monkeypatch.setattr(loading.torch.cuda, "device_count", lambda: 1)
+    assert not loading.needs_several_gpus(tmp_path, torch.device("cuda"))

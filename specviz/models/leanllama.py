@@ -323,11 +323,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     Elsewhere ATen's: a one-token step on a CPU in bfloat16 or float16 asks for the H / KV query heads of a
     key head as one block of H / KV query rows (ATen's flash attention there is slow for a block of one row;
-    bitwise the same numbers, a test), and so does a drafter's (`lossy`) at any width."""
+    bitwise the same numbers, a test), and so does a drafter's (`lossy`) at any width. Off the CPU the key
+    heads are repeated to the query heads': there the fused kernels refuse a mask beside `enable_gqa` (flash
+    takes no mask, memory-efficient no grouped heads), and every call would fall to the math kernel."""
     batch, heads, t, dim = q.shape
     rep = heads // k.shape[1]
     if in_c(q) and native.attends(heads, k.shape[1], dim):
         return native.attend_bf16(q, k, v, mask if mask.dtype == torch.bool else mask == 0)
+    if q.device.type != "cpu" and rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, H, L, D]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if (t > 1 and not lossy) or rep == 1 or q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
     # a key head's queries as rows: its query heads' t queries in turn, each with its query's mask row

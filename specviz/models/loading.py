@@ -429,15 +429,27 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
     return True
 
 
+ONE_GPU_SHARE = 0.6  # of one GPU's memory the weights may take and still load there: caches and activations
+
+
+def needs_several_gpus(path: Path, device: torch.device) -> bool:
+    """Whether a model's weight files (in the folder `path`) are too big for one of several GPUs. One that fits stays
+    whole on `device`: split, every layer would cross devices and the lean forward, which needs one device, is off."""
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return False
+    weights = sum(f.stat().st_size for f in path.glob("*") if f.suffix in (".safetensors", ".bin", ".pt"))
+    return weights > ONE_GPU_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
 def load_model(ref: str, device: torch.device, dtype: torch.dtype, progress: Progress = _quiet,
                spread: bool = False):
     """(model, tokenizer) for a hub id, a local directory or an offline name. Never remote code.
 
-    spread: on a machine with several GPUs, let accelerate place the layers across them
-    (device_map="auto"); inputs stay on `device` and accelerate's hooks move activations.
+    spread: on a machine with several GPUs, let accelerate place the layers across them where the weights
+    do not fit one (device_map="auto"); inputs stay on `device` and accelerate's hooks move activations.
     """
     path = resolve_model_path(ref, progress)
-    spread = spread and device.type == "cuda" and torch.cuda.device_count() > 1
+    spread = spread and needs_several_gpus(Path(path), device)
     progress(f"loading {ref} ({dtype}, {'all GPUs' if spread else device})...")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)

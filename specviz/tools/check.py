@@ -93,6 +93,11 @@ class Outcome:
     error: str = ""  # a traceback, when the case raised
 
 
+# A CUDA error such as a device-side assert leaves the process's CUDA context unusable: every later call fails
+# with it, so the cases after it would only repeat it
+DEVICE_LOST = ("device-side assert", "CUDA error", "AcceleratorError")
+
+
 def cases(compiled: bool) -> list[Case]:
     """The matrix: cache kinds (and the compiled static cache), drafter shapes, greedy and sampled."""
     caches = [("static", False), ("dynamic", False), ("none", False)] + ([("static", True)] if compiled else [])
@@ -259,9 +264,17 @@ def check(pair: ModelPair, compiled: bool, max_new_tokens: int = 24, prompts: li
             plain_runs[key] = [generate(pair, p, settings, mode="baseline") for p in prompts]
         return plain_runs[key]
 
+    lost = ""  # the error after which the device can run nothing more
     for case in cases(compiled):
-        if only is None or only(case):
-            yield run_case(pair, case, prompts, max_new_tokens, plain)
+        if only is not None and not only(case):
+            continue
+        if lost:
+            yield Outcome(case, "skipped", [f"not run: the device failed in an earlier case ({lost})"])
+            continue
+        outcome = run_case(pair, case, prompts, max_new_tokens, plain)
+        if outcome.error and any(sign in outcome.error for sign in DEVICE_LOST):
+            lost = outcome.checks[0]
+        yield outcome
 
 
 def report_line(o: Outcome) -> str:

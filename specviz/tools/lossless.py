@@ -52,8 +52,9 @@ def first_tokens(pair: ModelPair, prompt_ids: list[int], settings: Settings, n: 
     how many rows tested a first draft and how many kept it. Batches start at 16 rows and double
     while one takes under half of CHUNK_S (halve over it), up to CHUNK: a wide tree on a slow CPU
     still stops soon, a fast one batches. A row's token depends on its seed only, not on its batch."""
-    # a budget of two tokens: the first round drafts one token, so the first token passes the rule
-    settings = replace(settings, max_new_tokens=2, record_top=0)
+    # a budget of two tokens: the first round drafts one token, so the first token passes the rule; eager: each
+    # batch size (16 to 256 rows) would compile graphs of its own and spend the process's budget of shapes
+    settings = replace(settings, max_new_tokens=2, record_top=0, compile=False)
     tokens, tested, kept = [], 0, 0
     start, size = 0, 16
     while start < n:
