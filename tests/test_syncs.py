@@ -68,6 +68,20 @@ def test_a_round_waits_for_the_device_a_few_times(pattern_pair):
     assert syncs.total == rounds, dict(syncs.counts)  # one read a round for all rows
 
 
+
+def test_timing_a_rounds_stages_waits_for_no_device(pattern_pair, monkeypatch):
+    """The counter sees reads, not torch.cuda.synchronize, which decode calls through generator._sync: that is
+    once a run (the prefill's time), never a round (a GPU's stages are split where the host waits anyway), so the
+    waits counted above are all a round makes."""
+    from specviz.core import generator
+
+    waits = []
+    monkeypatch.setattr(generator, "_sync", lambda device: waits.append(device))
+    for settings in (Settings(gamma=3, max_new_tokens=12), Settings(gamma=3, max_new_tokens=12, temperature=1.0)):
+        waits.clear()
+        run = generate(pattern_pair("llama"), "", settings, prompt_ids=words(2, 3, 4, 2, 3))
+        assert len(run.events) > 1 and len(waits) == 1
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_round_from_the_eagle_head_reads_once_chain_or_tree(random_pair, temperature):
     """Inspector off, greedy or sampled: a round reads once. A chain from the EAGLE head reads nothing of its own
