@@ -335,3 +335,21 @@ def test_the_eagle_heads_compiled_steps_draft_what_its_eager_steps_draft(pattern
     # of a stacked tensor has others, and dynamo would compile the graph again for them)
     assert counters["stats"]["unique_graphs"] - graphs == len(pair.head.compiled_shapes)
     assert pair.head.compile_note == "" and eager_pair.head.compiled is None
+
+
+def test_every_tree_a_preset_prices_and_every_node_budget_verifies_compiled():
+    """A compiled forward pads its tokens to the next compiled width and runs eager past the last: every verify a
+    preset's first-run table prices (γ, branch, nodes: the drafts and the last token) and any tree with a node
+    budget (at most MAX_NODES drafts) fits one, so `--compile` never prices a forward it then runs eager."""
+    from specviz.core.events import MAX_NODES
+    from specviz.core.generator import draft_width
+    from specviz.models.leanllama import WIDTHS
+    from specviz.models.loading import PRESETS
+
+    shapes = {(g, b, n) for preset in PRESETS.values() for _, taus in preset.first_run_tables()
+              for table in taus.values() for g, b, n in table}
+    assert any(b > 1 for _, b, _ in shapes)
+    for gamma, branch, nodes in shapes:
+        width = draft_width(Settings(gamma=gamma, branch=branch, nodes=nodes)) + 1
+        assert width <= WIDTHS[-1], (gamma, branch, nodes, width)
+    assert MAX_NODES + 1 <= WIDTHS[-1]

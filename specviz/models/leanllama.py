@@ -45,7 +45,9 @@ from . import contention, kernels, native
 from .cachedir import cache_root
 
 SUPPORTED = ("llama", "qwen3")
-WIDTHS = (1, 4, 8, 16)  # compiled forwards: tokens per forward, padded up to one of these (longer: eager)
+# compiled forwards: tokens per forward, padded up to one of these; a tree of MAX_NODES drafts and the last token
+# fits the last (wider, every drafted node verified: eager, said once). A width costs a graph only once used
+WIDTHS = (1, 4, 8, 16, 32, 64)
 CAPACITY_STEP = 256  # compiled forwards: cache capacity is this times a power of two (few shapes, few graphs)
 GRAPHS = 64  # compiled forwards: shapes compiled per process, all models together (dynamo's limit); past it, eager
 SPARE_SETS = 4  # compiled caches a model keeps for reuse once their runs end
@@ -75,6 +77,7 @@ class Plan(dict):
 Chooser = Callable[[torch.Tensor, int, bool, bool], str]
 
 log = logging.getLogger("specviz")
+_SAID_EAGER: set[int] = set()  # forward widths past the compiled ones, said once a process
 PROGRESS = {"progress": True}  # a log record that reports progress (shown as it happens), not a problem
 
 
@@ -828,6 +831,10 @@ class LeanCache:
     def _width(self, t: int) -> int:
         """Slots a forward of t tokens runs: a compiled forward pads t to the next compiled width."""
         if self.compile and self.lean.compiled is not None:
+            if t > WIDTHS[-1] and t not in _SAID_EAGER:
+                _SAID_EAGER.add(t)
+                log.warning("specviz: a %d-token forward runs eager: compiled forwards take at most %d tokens", t,
+                            WIDTHS[-1])
             return next((w for w in WIDTHS if w >= t), t)
         return t
 
