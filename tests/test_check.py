@@ -1,6 +1,7 @@
 """`python -m specviz check`: the matrix runs, its oracles can fail, and a failing case fails the command."""
 
 import copy
+import dataclasses
 import logging
 import math
 
@@ -167,3 +168,37 @@ def test_after_the_device_is_lost_the_other_cases_are_skipped_saying_why(monkeyp
     assert len(ran) == 2 and len(outcomes) == len(check.cases(False))
     assert [o.status for o in outcomes[:2]] == ["failed", "failed"]
     assert all(o.status == "skipped" and "device-side assert" in o.checks[0] for o in outcomes[2:])
+
+
+def test_a_reduced_precision_greedy_case_that_parts_is_judged_by_a_float32_rerun(pattern_pair, monkeypatch):
+    """Texts parted in bfloat16 are rounding only if the same case agrees in float32: rerun there, a case whose
+    float32 texts agree stays "differs" and says so; one whose float32 texts part too (a fault, here a plain decode
+    made to write another token) fails."""
+    pair32 = pattern_pair("llama")
+    case = next(c for c in check.cases(False) if c.temperature == 0 and c.cache == "static" and c.branch == 1)
+
+    def run_case(pair, case, prompts, max_new_tokens, plain):
+        return check.Outcome(case, "differs", ["greedy = plain 1/2 (first difference at token 3)"])
+
+    monkeypatch.setattr(check, "run_case", run_case)
+    prompts = ["w1 w2 w3", "w4 w5"]
+
+    def outcome():
+        return next(check.check(None, False, 8, prompts, only=lambda c: c == case, float32=lambda: pair32))
+
+    held = outcome()
+    assert held.status == "differs" and held.checks[-1] == ("float32 rerun: greedy = plain 2/2: the "
+                                                            "reduced-precision texts parted at near ties")
+    real = check.generate
+
+    def broken(pair, prompt, settings, mode="speculative", **kwargs):
+        run = real(pair, prompt, settings, mode=mode, **kwargs)
+        if mode == "baseline":  # a fault: plain decoding's third token (index 2) another
+            run.events[2] = dataclasses.replace(run.events[2], extra=dataclasses.replace(
+                run.events[2].extra, id=run.events[2].extra.id + 1))
+        return run
+
+    monkeypatch.setattr(check, "generate", broken)
+    failed = outcome()
+    assert failed.status == "failed" and failed.checks[-1].startswith("float32 rerun: greedy = plain 0/2 (first "
+                                                                      "difference at token 2)")

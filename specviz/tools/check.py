@@ -20,7 +20,8 @@ with their numbers within rounding are reported as `differs`, not failed; in flo
 must equal plain decoding's, and in reduced precision the gaps are shown, not judged, except where
 every number is computed row by row alone (`row_alone`: attention in specviz's C kernel, in float32 the
 layers in one C call, and each product through paths of one `bits` family at every row count): there any
-difference fails. Each case
+difference fails. A reduced-precision greedy case whose texts part is decoded again in float32
+(`float32_rerun`, the `check` command does so): texts that part there too fail. Each case
 also reports its host-device waits per round (tools/syncs.py: what a GPU round waits for; eager
 cases only), the warnings it raised (a compiled forward falling back to eager, for one), how
 often inductor ran a compiled graph without CUDA graphs, and any graph dynamo compiled beyond the shapes
@@ -251,9 +252,25 @@ def run_case(pair: ModelPair, case: Case, prompts: list[str], max_new_tokens: in
         logging.getLogger().removeHandler(caught)
 
 
+def float32_rerun(pair32: ModelPair, case: Case, prompts: list[str], max_new_tokens: int) -> tuple[bool, str]:
+    """A greedy case decoded again in float32 (eager), speculative against plain: whether their texts agree there,
+    and the check's line. Where reduced precision parted them, this tells a near tie (float32 agrees) from a fault
+    (float32 parts too)."""
+    settings = replace(case.settings(max_new_tokens), compile=False)
+    plain = Settings(cache=case.cache, max_new_tokens=max_new_tokens)
+    parts = [first_difference(generate(pair32, p, settings).token_ids,
+                              generate(pair32, p, plain, mode="baseline").token_ids) for p in prompts]
+    apart = [at for at in parts if at is not None]
+    line = f"float32 rerun: greedy = plain {len(parts) - len(apart)}/{len(parts)}"
+    return not apart, line + (f" (first difference at token {min(apart)}): not rounding" if apart else
+                              ": the reduced-precision texts parted at near ties")
+
+
 def check(pair: ModelPair, compiled: bool, max_new_tokens: int = 24, prompts: list[str] | None = None,
-          only: Callable[[Case], bool] | None = None) -> Iterator[Outcome]:
-    """Every case of the matrix on `pair`, an Outcome each as it finishes."""
+          only: Callable[[Case], bool] | None = None, float32: Callable[[], ModelPair] | None = None
+          ) -> Iterator[Outcome]:
+    """Every case of the matrix on `pair`, an Outcome each as it finishes. float32: the pair in float32 (loaded
+    when first asked), to rerun a greedy case whose texts parted in reduced precision (float32_rerun)."""
     prompts = prompts or PROMPTS
     plain_runs: dict[tuple[str, bool], list[Run]] = {}
 
@@ -274,6 +291,10 @@ def check(pair: ModelPair, compiled: bool, max_new_tokens: int = 24, prompts: li
         outcome = run_case(pair, case, prompts, max_new_tokens, plain)
         if outcome.error and any(sign in outcome.error for sign in DEVICE_LOST):
             lost = outcome.checks[0]
+        elif outcome.status == "differs" and case.temperature == 0 and float32 is not None:
+            agree, line = float32_rerun(float32(), case, prompts, max_new_tokens)
+            outcome.checks.append(line)
+            outcome.status = "differs" if agree else "failed"
         yield outcome
 
 

@@ -34,7 +34,7 @@ from ..core.generator import (
 )
 from ..core.kvcache import CACHE_KINDS
 from ..core.schedules import POLICIES
-from ..models.loading import PRESETS, Preset, encode_prompt, load_pair
+from ..models.loading import PRESETS, ModelPair, Preset, encode_prompt, load_pair
 from ..view.rendering import batch_summary, first_difference, legend, round_text, run_text, slower_note, summary
 from .stream import Finished, stream
 
@@ -827,8 +827,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"{machine_name(pair.device)}{cuda}; {str(pair.dtype).removeprefix('torch.')} "
           f"({pair.dtype_reason or 'asked'}); {pair.target_name} with {pair.draft_name}"
           + (f" and {pair.head_name}" if pair.head is not None else ""), flush=True)
-    outcomes = []
-    for outcome in check(pair, compiled, args.max_new_tokens, only=lambda c: args.only in c.name):
+    outcomes, reduced = [], pair.dtype not in (torch.float32, torch.float64)
+
+    @functools.cache
+    def float32() -> ModelPair:  # a reduced-precision greedy case whose texts part is rerun in float32
+        return load_pair(args.target, args.draft, preset, str(pair.device), "float32", head=args.head,
+                         progress=lambda m: print(m, file=sys.stderr, flush=True))
+
+    for outcome in check(pair, compiled, args.max_new_tokens, only=lambda c: args.only in c.name,
+                         float32=float32 if reduced else None):
         outcomes.append(outcome)
         print(report_line(outcome), flush=True)
         for said in outcome.warnings:
@@ -843,7 +850,8 @@ def cmd_check(args: argparse.Namespace) -> int:
               "last bits in float32, up to a step of a logit in bfloat16 or float16); that moves sampled draws near a "
               "boundary and near ties. In float32 the p and q must stay within rounding and greedy text must equal "
               "plain decoding's; in reduced precision the gaps are shown, not judged, unless every row is computed "
-              "alone (then any difference fails)")
+              "alone (then any difference fails), and a greedy case that parts is rerun in float32, where it "
+              "must not")
     for o in outcomes:
         if o.error:
             print(f"\n{o.case.name}:\n{o.error}", file=sys.stderr)
