@@ -475,3 +475,25 @@ def test_costs_kept_unmetered_are_timed_again_by_a_start_that_meters(pattern_pai
     contention._TIMED_HERE.clear()
     monkeypatch.setattr(contention, "others_meter", scripted_meters([]))
     assert costs.first_run(pair, taus)[1] == again and len(timings) == 2
+
+
+def test_round_costs_on_a_gpu_are_kept_under_its_name(monkeypatch):
+    """The profile file is the CPU's: costs timed on one kind of GPU must not be read for another in the same host
+    (or after a swap), so a GPU's entry is keyed by the GPU's name; a CPU's key is as it was (stored costs stand)."""
+    import hashlib
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    def pair(device):
+        return SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16, target_name="t", draft_name="d",
+                               head_name="h")
+
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+    monkeypatch.setattr(costs, "machine_name", lambda device: next(names))
+    h100, h200, again = (costs._key(pair("cuda"), False) for _ in range(3))
+    assert h100 != h200 and h100 == again
+    monkeypatch.setattr(costs, "machine_name", lambda device: pytest.fail("a CPU's key reads no name"))
+    facts = json.dumps(["cpu", "torch.bfloat16", "t", "d", "h", False, costs.TIMING], sort_keys=True)
+    assert costs._key(pair("cpu"), False) == hashlib.sha256(facts.encode()).hexdigest()[:16]

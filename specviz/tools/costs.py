@@ -62,7 +62,16 @@ from statistics import median
 import torch
 
 from ..core.events import Run
-from ..core.generator import HEAD_DRAFTERS, Settings, compile_by_default, draft_width, generate, parse_trees, tree_label
+from ..core.generator import (
+    HEAD_DRAFTERS,
+    Settings,
+    compile_by_default,
+    draft_width,
+    generate,
+    machine_name,
+    parse_trees,
+    tree_label,
+)
 from ..core.kvcache import KVState
 from ..core.theory import target_step_ms
 from ..models import contention, kernels
@@ -397,8 +406,10 @@ def _pace(costs: Costs, step: Callable[[], float] | None) -> float:
 
 
 def _key(pair: ModelPair, compiled: bool) -> str:
-    """The pair's entry in the profile's `rounds`: its models, device, dtype, compile mode and how they are timed."""
-    facts = json.dumps([str(pair.device), str(pair.dtype), pair.target_name, pair.draft_name, pair.head_name, compiled,
+    """The pair's entry in the profile's `rounds`: its models, device (a GPU by its name: the profile is the CPU's,
+    and one host may hold several kinds), dtype, compile mode and how they are timed."""
+    device = str(pair.device) if pair.device.type == "cpu" else f"{pair.device.type}: {machine_name(pair.device)}"
+    facts = json.dumps([device, str(pair.dtype), pair.target_name, pair.draft_name, pair.head_name, compiled,
                         TIMING], sort_keys=True)
     return hashlib.sha256(facts.encode()).hexdigest()[:16]
 
