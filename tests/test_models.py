@@ -115,3 +115,25 @@ def test_a_model_that_fits_one_of_several_gpus_is_not_split(monkeypatch, tmp_pat
     assert not loading.needs_several_gpus(tmp_path, torch.device("cpu"))
     monkeypatch.setattr(loading.torch.cuda, "device_count", lambda: 1)
     assert not loading.needs_several_gpus(tmp_path, torch.device("cuda"))
+
+
+def test_the_lean_forward_holds_no_second_copy_of_the_weights(pattern_dirs):
+    """The lean layers stack q, k, v (and gate, up) into one product each; transformers' projections then read their
+    rows of it, so the two forwards together hold each weight once (a GPU's memory would otherwise hold about 1.6
+    times the model) and give the logits they gave before."""
+    from transformers import AutoModelForCausalLM
+
+    from specviz.models.leanllama import LeanLlama
+
+    target, _ = pattern_dirs("llama")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.inference_mode():
+        logits = model(ids).logits
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    lean = LeanLlama.of(model)
+    tensors = list(model.parameters()) + [w for lin in lean.linears() for w in (lin.weight, lin.bias) if w is not None]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert sum(held.values()) <= 1.05 * model_bytes, (sum(held.values()), model_bytes)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, logits)

@@ -275,8 +275,19 @@ def _(x, packed, weight, bias, path, rows):
 
 
 def _fused(*linears: nn.Linear) -> Linear:
+    """One product of transformers' projections (q, k, v; gate, up), their weights stacked; the projections then
+    read their rows of it, so each weight is held once, not twice (a file's pages they viewed let go first)."""
     biases = [lin.bias for lin in linears]
-    return Linear(torch.cat([lin.weight for lin in linears]), None if biases[0] is None else torch.cat(biases))
+    fused = Linear(torch.cat([lin.weight for lin in linears]), None if biases[0] is None else torch.cat(biases))
+    rows = [lin.out_features for lin in linears]
+    for lin, weight, bias in zip(linears, fused.weight.split(rows),
+                                 fused.bias.split(rows) if fused.bias is not None else [None] * len(rows), strict=True):
+        if lin.weight.device.type == "cpu":
+            native.drop_file_pages(lin.weight)
+        lin.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
 
 
 def in_c(x: torch.Tensor, whole_layers: bool = False) -> bool:
