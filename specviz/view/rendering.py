@@ -106,6 +106,7 @@ CSS = """
 body.sv-projector #status, body.sv-projector #status .progress-text,
 body.sv-projector #status .sv-queue { font-size: 26px !important; }
 #sv-wait .sv-note { font-size: 16px; } body.sv-projector #sv-wait .sv-note { font-size: 26px !important; }
+#sv-wait:not(:has(.sv-note)) { display: none; }  /* no line, no room: the run stays on the first screen */
 /* the controls' own text larger too; their labels keep their size, as they would wrap and push the run off the
    first screen */
 body.sv-projector button, body.sv-projector textarea, body.sv-projector input { font-size: 20px !important; }
