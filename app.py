@@ -226,25 +226,25 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
         return [CONTROLS[n] for n in names]
 
     def device(status_box) -> dict:
-        """One model call at a time, in Gradio's queue; a waiting viewer's status box shows their place in it and
-        the wait expected (from the event's average time), a running one's only what the handler writes."""
+        """One model call at a time, in Gradio's queue; a waiting viewer's status box shows their place in it (and
+        the line under it the wait, ui/waiting.py), a running one's only what the handler writes."""
         return {"concurrency_limit": 1, "concurrency_id": handlers.DEVICE_QUEUE, "show_progress": "minimal",
                 "show_progress_on": status_box}
 
     run_inputs = controls(RUN_FIELDS)
-    # Run and Continue see Stop themselves and end with their own last update (handlers.stop); Gradio cancels the rest
     # a Run's wait, priced from the token budgets ahead (the runs' inputs as the page sends them); the timer is
     # started before the Run's own event is bound: bound after it, Gradio's page never sends it
     budgets = waiting.Budgets({"run": (RUN_FIELDS.index("max_new_tokens"), RUN_FIELDS.index("compare"))})
     wait_timer = gr.Timer(1.0, active=False)  # ticks while this page's Run waits
     run_btn.click(lambda: gr.Timer(active=True), None, wait_timer, queue=False, api_visibility="private")
-    run_btn.click(reads(RUN_FIELDS, handlers.run), run_inputs, OUTPUTS, api_name="run", **device(status))
 
     def waiting_line(request: gr.Request):  # (a partial would hide the request from Gradio)
         return handlers.waiting_line(budgets, request)
 
     wait_timer.tick(waiting_line, None, [wait_line, wait_timer], queue=False, api_visibility="private",
                     show_progress="hidden")
+    # Run and Continue see Stop themselves and end with their own last update (handlers.stop); Gradio cancels the rest
+    run_btn.click(reads(RUN_FIELDS, handlers.run), run_inputs, OUTPUTS, api_name="run", **device(status))
     continue_btn.click(handlers.continue_run, show_rounds, OUTPUTS, api_name="continue", **device(status))
     cancelled = [
         # each press is a step: queued while the last is under way (Gradio's default drops a click made then)
