@@ -58,6 +58,8 @@ RUN_FIELDS = ("prompt", "preset", "custom_target", "custom_draft", "gamma", "tem
               "max_new_tokens", "compare", "show_rounds", "drafter", "gamma_policy", "cache", "compiled",
               "draft_greedy", "branch", "nodes")
 PAIR = ("preset", "custom_target", "custom_draft")
+# a waiting Run's wait, priced from the token budgets ahead: a Run's inputs as the page sends them
+WAIT_BUDGETS = waiting.Budgets({"run": (RUN_FIELDS.index("max_new_tokens"), RUN_FIELDS.index("compare"))})
 TREE = ("branch", "nodes")
 SAMPLING = ("gamma", "temperature", "top_k", "top_p", "seed")
 EXACT_FIELDS = ("prompt", *PAIR, *SAMPLING, "drafter", "draft_greedy")
@@ -232,14 +234,13 @@ with gr.Blocks(title="specviz: watch speculative decoding", delete_cache=(600, 3
                 "show_progress_on": status_box}
 
     run_inputs = controls(RUN_FIELDS)
-    # a Run's wait, priced from the token budgets ahead (the runs' inputs as the page sends them); the timer is
-    # started before the Run's own event is bound: bound after it, Gradio's page never sends it
-    budgets = waiting.Budgets({"run": (RUN_FIELDS.index("max_new_tokens"), RUN_FIELDS.index("compare"))})
+    # a Run's wait (WAIT_BUDGETS); the timer is started before the Run's own event is bound: bound after it,
+    # Gradio's page never sends it
     wait_timer = gr.Timer(1.0, active=False)  # ticks while this page's Run waits
     run_btn.click(lambda: gr.Timer(active=True), None, wait_timer, queue=False, api_visibility="private")
 
     def waiting_line(request: gr.Request):  # (a partial would hide the request from Gradio)
-        return handlers.waiting_line(budgets, request)
+        return handlers.waiting_line(WAIT_BUDGETS, request)
 
     wait_timer.tick(waiting_line, None, [wait_line, wait_timer], queue=False, api_visibility="private",
                     show_progress="hidden")

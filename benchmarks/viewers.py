@@ -58,12 +58,11 @@ def serve(n: int) -> None:
     side.stdin.write("go\n")
     side.stdin.flush()
     queue, t0 = app.demo._queue, time.time()
-    budgets = waiting.Budgets({"run": (app.RUN_FIELDS.index("max_new_tokens"), app.RUN_FIELDS.index("compare"))})
     told, last, still = {}, -1, 0
     while still < 2 and time.time() - t0 < 60:  # until no press is still joining
         time.sleep(0.5)
         for i, session in enumerate(sessions):
-            if i not in told and (w := waiting.wait_of(queue, handlers.DEVICE_QUEUE, session, budgets)):
+            if i not in told and (w := waiting.wait_of(queue, handlers.DEVICE_QUEUE, session, app.WAIT_BUDGETS)):
                 told[i] = (w.place, w.seconds, time.time())  # the first a page would be told
         still, last = (still + 1 if len(told) == last else 0), len(told)
     side.wait()
